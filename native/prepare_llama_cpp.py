@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""Produce the patched llama.cpp tree that CMake builds.
+
+The pinned source is the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI (fetched with
+pip, sha256 checked, cached outside the repo). The patches in native/patches are applied in order.
+A local unpatched tree can be given instead (--source), for machines without a package index.
+
+The output tree is rewritten only when the sdist or a patch changed (stamp file), so a persistent
+build directory rebuilds incrementally. Standard library only: this runs before anything is installed.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+SDIST_NAME = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}.tar.gz"
+SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
+# Parts of the vendored tree the build never reads (large, or backends we do not build).
+SKIP_DIRS = ("models/", "docs/", "media/", "benches/", ".github/", "tools/server/public", "tools/ui")
+
+PATCH_DIR = Path(__file__).resolve().parent / "patches"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SFI_GGUF_CACHE", Path.home() / ".cache" / "sfi-gguf"))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_sdist() -> Path:
+    """The pinned sdist from the cache, downloaded with pip on first use."""
+    target = cache_dir() / "sdist" / SDIST_NAME
+    if target.exists() and sha256_of(target) == SDIST_SHA256:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        print(f"sfi-gguf: downloading llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION} sdist", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps",
+             "--no-binary", "llama-cpp-python", f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}",
+             "-d", tmp],
+            check=False, stdout=sys.stderr,
+        )
+        got = Path(tmp) / SDIST_NAME
+        if not got.exists():  # metadata preparation may fail without build deps; the file is there first
+            raise SystemExit(f"sfi-gguf: pip did not fetch {SDIST_NAME}")
+        actual = sha256_of(got)
+        if actual != SDIST_SHA256:
+            raise SystemExit(f"sfi-gguf: {SDIST_NAME} sha256 {actual} != pinned {SDIST_SHA256}")
+        os.replace(got, target)
+    return target
+
+
+def patches() -> list[Path]:
+    return sorted(PATCH_DIR.glob("*.patch"))
+
+
+def stamp_for(source_id: str) -> str:
+    digest = hashlib.sha256(source_id.encode())
+    for patch in patches():
+        digest.update(patch.name.encode())
+        digest.update(patch.read_bytes())
+    return digest.hexdigest()
+
+
+def extract_sdist(sdist: Path, dest: Path) -> None:
+    with tarfile.open(sdist) as tar:
+        for member in tar.getmembers():
+            if not member.name.startswith(VENDOR_PREFIX):
+                continue
+            rel = member.name[len(VENDOR_PREFIX):]
+            if not rel or rel.startswith(SKIP_DIRS) or rel == ".git":
+                continue
+            member.name = rel
+            tar.extract(member, dest, filter="data") if sys.version_info >= (3, 12) else tar.extract(member, dest)
+
+
+def copy_tree(source: Path, dest: Path) -> None:
+    ignore = shutil.ignore_patterns(".git", "models", "docs", "media", "benches")
+    shutil.copytree(source, dest, ignore=ignore, dirs_exist_ok=True)
+
+
+def apply_patches(tree: Path) -> None:
+    for patch in patches():
+        cmd = ["git", "apply", "-p1", "--whitespace=nowarn", str(patch)] if shutil.which("git") \
+            else ["patch", "-p1", "-s", "-i", str(patch)]
+        result = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise SystemExit(f"sfi-gguf: patch {patch.name} does not apply:\n{result.stderr}")
+
+
+def prepare(dest: Path, source: Path | None) -> None:
+    if source is not None:
+        if not (source / "include" / "llama.h").exists():
+            raise SystemExit(f"sfi-gguf: {source} is not a llama.cpp tree (no include/llama.h)")
+        source_id = f"tree:{source.resolve()}:{(source / 'include' / 'llama.h').stat().st_mtime_ns}"
+    else:
+        source_id = f"sdist:{SDIST_SHA256}"
+    stamp = stamp_for(source_id)
+    stamp_file = dest / ".sfi-stamp"
+    if stamp_file.exists() and stamp_file.read_text() == stamp:
+        return
+    staging = dest.with_name(dest.name + ".staging")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if source is not None:
+        copy_tree(source, staging)
+    else:
+        extract_sdist(fetch_sdist(), staging)
+    apply_patches(staging)
+    sync_tree(staging, dest)
+    shutil.rmtree(staging)
+    stamp_file.write_text(stamp)
+    print(f"sfi-gguf: patched llama.cpp tree ready at {dest} ({len(patches())} patches)", file=sys.stderr)
+
+
+def sync_tree(src: Path, dest: Path) -> None:
+    """Copy src over dest touching only files whose bytes changed (keeps incremental builds)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    wanted = set()
+    for path in src.rglob("*"):
+        rel = path.relative_to(src)
+        wanted.add(rel)
+        out = dest / rel
+        if path.is_dir():
+            out.mkdir(parents=True, exist_ok=True)
+        elif not out.exists() or out.read_bytes() != path.read_bytes():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(path, out)
+    for path in sorted(dest.rglob("*"), reverse=True):
+        rel = path.relative_to(dest)
+        if rel not in wanted and rel.name != ".sfi-stamp":
+            path.unlink() if not path.is_dir() else shutil.rmtree(path, ignore_errors=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dest", type=Path, required=True, help="where the patched tree goes")
+    parser.add_argument("--source", type=Path, default=None,
+                        help="an unpatched llama.cpp tree to use instead of the pinned sdist")
+    parser.add_argument("--fetch-only", action="store_true", help="only download and verify the sdist")
+    args = parser.parse_args()
+    if args.fetch_only:
+        print(fetch_sdist())
+        return
+    prepare(args.dest, args.source)
+
+
+if __name__ == "__main__":
+    main()

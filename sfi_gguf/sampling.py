@@ -1,0 +1,74 @@
+"""llama.cpp's own sampler chain, configured like llama-cpp-python's `Llama` does it.
+
+Sampling happens in C on the context's logits: no per-token copy of the vocabulary into Python.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from ._native import llama_cpp
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature <= 0 means greedy. seed None draws a random seed (reported in the stats)."""
+
+    temperature: float = 0.8
+    top_p: float = 0.95
+    top_k: int = 40
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    penalty_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> None:
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.seed is not None and not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
+class Sampler:
+    """Owns one llama_sampler chain; `sample` picks the next token from the last decode's logits."""
+
+    def __init__(self, params: SamplingParams):
+        params.validate()
+        self.params = params
+        self.seed = params.seed if params.seed is not None else random.randrange(2**32 - 1)
+        chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
+        add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if params.repeat_penalty != 1.0:
+            add(llama_cpp.llama_sampler_init_penalties(params.penalty_last_n, params.repeat_penalty, 0.0, 0.0))
+        if params.temperature <= 0.0:
+            add(llama_cpp.llama_sampler_init_greedy())
+        else:
+            if params.top_k > 0:
+                add(llama_cpp.llama_sampler_init_top_k(params.top_k))
+            add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+            if params.min_p > 0.0:
+                add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
+            add(llama_cpp.llama_sampler_init_temp(params.temperature))
+            add(llama_cpp.llama_sampler_init_dist(self.seed))
+        self._chain = chain
+
+    def sample(self, ctx) -> int:
+        """Sample from the logits of the last token of the last decode (and accept it)."""
+        return llama_cpp.llama_sampler_sample(self._chain, ctx, -1)
+
+    def close(self) -> None:
+        if self._chain:
+            llama_cpp.llama_sampler_free(self._chain)
+            self._chain = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
