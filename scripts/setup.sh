@@ -13,7 +13,15 @@ LCP_VERSION=0.3.36
 
 have_version() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('$1') != '$2')" 2>/dev/null; }
 
-"$PY" -m pip install -q "scikit-build-core>=0.10" "numpy>=1.24" "typing-extensions>=4.5.0" "diskcache>=5.6.1" "jinja2>=2.11.3"
+# build and runtime dependencies, installed only where missing (a GPU machine may have no package index)
+missing=$("$PY" - <<'PYEOF'
+import importlib.util
+need = {"scikit_build_core": "scikit-build-core>=0.10", "numpy": "numpy>=1.24", "typing_extensions": "typing-extensions>=4.5.0",
+        "diskcache": "diskcache>=5.6.1", "jinja2": "jinja2>=2.11.3"}
+print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
+PYEOF
+)
+if [ -n "$missing" ]; then "$PY" -m pip install -q $missing; fi
 
 if ! have_version llama_cpp_python "$LCP_VERSION"; then
     if [ -n "${SFI_LLAMA_CPP_PYTHON_WHEEL:-}" ]; then

@@ -98,7 +98,7 @@ class _StopFilter:
 
 def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
                    max_tokens: int, stop: Sequence[str], stats: GenerationStats,
-                   out_tokens: list[int], progress: bool = False) -> Iterator[str]:
+                   out_tokens: list[int], progress: bool = False, ignore_eos: bool = False) -> Iterator[str]:
     """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted)."""
     stats.n_prompt = len(prompt_tokens)
     stats.seed = sampler.seed
@@ -121,7 +121,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
             token = sampler.sample(ctx.ctx)
             out_tokens.append(token)
             stats.n_generated += 1
-            if ctx.is_eog(token):
+            if not ignore_eos and ctx.is_eog(token):
                 finish = "stop"
                 break
             piece, stopped = stops.push(utf8.decode(ctx.token_bytes(token)))

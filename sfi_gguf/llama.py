@@ -12,7 +12,7 @@ from .models import resolve_model_path
 from .sampling import Sampler, SamplingParams
 
 Message = dict  # {"role": ..., "content": ...}
-Prompt = Union[str, Sequence[Message]]
+Prompt = Union[str, Sequence[Message], Sequence[int]]
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
@@ -94,8 +94,14 @@ class SFILlama:
         raise RuntimeError("chat template output did not fit")
 
     def prompt_tokens(self, prompt: Prompt) -> list[int]:
+        """A prompt as tokens: text is tokenized, messages are chat-formatted, token ids pass through."""
         if isinstance(prompt, str):
             return self.tokenize(prompt)
+        if len(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self._ctx.n_vocab]
+            if bad:
+                raise ValueError(f"token ids out of range [0, {self._ctx.n_vocab}): {bad[:5]}")
+            return list(prompt)
         text = self.apply_chat_template(prompt)
         return self._ctx.tokenize(text, add_special=not self._starts_with_bos(text))
 
@@ -112,9 +118,9 @@ class SFILlama:
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
-                 stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0
-                 ) -> Union[Completion, Iterator[str]]:
-        """Continue `prompt` (a string, or chat messages to format with the model's template).
+                 stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                 ignore_eos: bool = False) -> Union[Completion, Iterator[str]]:
+        """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
         `self.last_stats` once it is exhausted). The KV cache of the longest common prefix with the
@@ -137,7 +143,8 @@ class SFILlama:
         out_tokens: list[int] = []
         sampler = Sampler(params)
         pieces = run_generation(self._ctx, tokens, sampler, self._stepper(), max_tokens, stop_list, stats,
-                                out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS)
+                                out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
+                                ignore_eos=ignore_eos)
         if max_tokens == 0:
             pieces = _prefill_only(self._ctx, tokens, stats)
         if stream:

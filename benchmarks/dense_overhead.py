@@ -1,0 +1,105 @@
+#!/usr/bin/env python3
+"""Per-token overhead of the Python decoding loop: dense decode through SFILlama vs pure C.
+
+Both run the same library and context settings on the same machine: `sfi-decode-bench` (our
+llama-bench-style C program, installed with the package) prefills D tokens and times N single-token
+decodes; SFILlama prefills D tokens and generates N tokens (sampling with llama.cpp's greedy sampler,
+streaming text), in this process. Prints a table and writes JSON to benchmarks/results/.
+
+    python3 benchmarks/dense_overhead.py --depth 2048 --n-decode 64            # CPU, default model
+    python3 benchmarks/dense_overhead.py --model X.gguf -ngl 99 --depth 8192     # GPU
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from sfi_gguf import SFILlama  # noqa: E402
+from sfi_gguf._native import find_lib_dir  # noqa: E402
+from sfi_gguf.models import resolve_model_path  # noqa: E402
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def hardware(n_gpu_layers: int) -> str:
+    if n_gpu_layers:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True).stdout.strip().splitlines()
+            if out:
+                return out[0]
+        except OSError:
+            pass
+    return f"{platform.processor() or platform.machine()} CPU"
+
+
+def c_decode(model: Path, depth: int, n_decode: int, n_ctx: int, ngl: int, threads: int | None) -> float:
+    binary = find_lib_dir() / "sfi-decode-bench"
+    cmd = [str(binary), "-m", str(model), "-d", str(depth), "-n", str(n_decode), "-c", str(n_ctx),
+           "-ngl", str(ngl), "-fa", "1", "-b", "512"]
+    if threads:
+        cmd += ["-t", str(threads)]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["decode_tok_s"]
+
+
+def python_decode(llm: SFILlama, depth: int, n_decode: int) -> float:
+    rng = random.Random(1234)
+    prompt = [rng.randrange(llm.context.n_vocab) for _ in range(depth)]
+    llm.generate(prompt, max_tokens=2, temperature=0, ignore_eos=True)  # prefill + warm-up
+    out = llm.generate(prompt, max_tokens=n_decode + 1, temperature=0, ignore_eos=True)
+    return out.stats.decode_tok_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="GGUF path or known name (default model if omitted)")
+    ap.add_argument("--depth", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--n-decode", type=int, default=64)
+    ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--repeats", type=int, default=2, help="alternate C and Python runs this many times; best of")
+    ap.add_argument("--out", default=None, help="JSON output path (default benchmarks/results/dense_overhead-*.json)")
+    args = ap.parse_args()
+
+    model = resolve_model_path(args.model)
+    rows = []
+    for depth in args.depth:
+        n_ctx = depth + args.n_decode + 64
+        llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads, n_batch=512)
+        c_best, py_best = 0.0, 0.0
+        for _ in range(args.repeats):
+            c_best = max(c_best, c_decode(model, depth, args.n_decode, n_ctx, args.n_gpu_layers, args.threads))
+            py_best = max(py_best, python_decode(llm, depth, args.n_decode))
+        llm.close()
+        row = {"hardware": hardware(args.n_gpu_layers), "model": model.name, "depth": depth,
+               "n_decode": args.n_decode, "n_gpu_layers": args.n_gpu_layers, "c_tok_s": round(c_best, 2),
+               "python_tok_s": round(py_best, 2), "ratio": round(py_best / c_best, 3), "commit": git_commit(),
+               "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        rows.append(row)
+        print(f"depth {depth:>6}: C {c_best:8.2f} tok/s   SFILlama dense {py_best:8.2f} tok/s   "
+              f"ratio {py_best / c_best:.3f}", flush=True)
+    out = Path(args.out) if args.out else (REPO / "benchmarks" / "results" /
+                                            f"dense_overhead-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Runs ON the GPU machine (device tool), from the repo root, after scripts/make_gpu_bundle.sh here:
+#   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
+# Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all)
+# Results go to $OUT (the device tool brings them back) or .gpu-out/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/.gpu-out}; mkdir -p "$OUT"
+export SFI_GGUF_CACHE=$PWD/.gpu-cache      # kept between calls while the machine stays warm
+export PYTHONUNBUFFERED=1
+stages=${*:-build tests overhead native bench}
+log() { echo "== $(date +%T) $*"; }
+
+if [[ " $stages " == *" build "* ]]; then
+    log "install carried wheels"
+    python3 -m pip install -q --no-index --no-deps --no-compile .gpu/wheels/*.whl || exit 1
+    log "build (CUDA sm_90)"
+    export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
+    SFI_LLAMA_CPP_SOURCE=$PWD/.gpu/llama.cpp CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}" \
+        bash scripts/setup.sh 2>&1 | tail -5 || exit 1
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+fi
+if [[ " $stages " == *" tests "* ]]; then
+    log "tests on the GPU"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_native.py \
+        2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+fi
+if [[ " $stages " == *" overhead "* ]]; then
+    log "dense overhead: SFILlama vs C"
+    python3 -m sfi_gguf.random_model shape qwen3-4b --type f16 --vocab .gpu/vocab.gguf --out "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" &&
+    python3 benchmarks/dense_overhead.py --model "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" -ngl 99 --depth 2048 8192 \
+        --n-decode 128 --repeats 3 --out "$OUT/dense_overhead-h200.json"
+fi
+if [[ " $stages " == *" native "* ]]; then
+    log "native step micro-benchmark"
+    python3 benchmarks/native_step_bench.py --model "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" -ngl 99 \
+        --depth 32768 131072 --out "$OUT/native_step-h200.json"
+fi
+log done

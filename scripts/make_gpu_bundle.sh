@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Prepare .gpu/ (git-ignored, < 64 MiB) for a GPU machine that reaches no package index:
+#   .gpu/llama.cpp   the pinned llama.cpp tree, unpatched, trimmed to what a CUDA build reads
+#   .gpu/wheels      pure-Python wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf)
+#   .gpu/vocab.gguf  the default model's tokenizer alone (random-weight benchmark models carry it)
+# Then scripts/gpu_run.sh runs there (build with CUDA, tests, benchmarks).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+rm -rf .gpu && mkdir -p .gpu/wheels
+SDIST=$("$PY" native/prepare_llama_cpp.py --dest unused --fetch-only)
+tmp=$(mktemp -d)
+tar xzf "$SDIST" -C "$tmp" llama_cpp_python-0.3.36/vendor/llama.cpp
+src="$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp"
+rm -rf "$src"/{models,docs,media,benches,tests,tools,examples,pocs,app,gguf-py,scripts,.github,skills,conversion,common,grammars,ci}
+for b in cann openvino webgpu et hexagon sycl vulkan opencl metal virtgpu musa hip zdnn kompute zendnn blas; do
+    rm -rf "$src/ggml/src/ggml-$b"
+done
+mv "$src" .gpu/llama.cpp
+rm -rf "$tmp"
+# llama-cpp-python: Python bindings only (our package provides the library)
+CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w .gpu/wheels
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0
+"$PY" -m sfi_gguf.random_model vocab --out .gpu/vocab.gguf
+du -sh .gpu .gpu/*

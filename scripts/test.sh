@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh, idempotent) and run the whole test suite on the CPU.
+# Extra arguments go to pytest, e.g. scripts/test.sh -k native -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+bash scripts/setup.sh
+"$PY" -m pip install -q "pytest>=7" "gguf>=0.10"
+"$PY" -m sfi_gguf.cli model all > /dev/null   # fetch + verify the real models once, before the timed tests
+exec "$PY" -m pytest -q -p no:cacheprovider "$@"
