@@ -7,4 +7,10 @@ PY=${PYTHON:-python3}
 bash scripts/setup.sh
 "$PY" -m pip install -q "pytest>=7" "gguf>=0.10"
 "$PY" -m sfi_gguf.cli model all > /dev/null   # fetch + verify the real models once, before the timed tests
-exec "$PY" -m pytest -q -p no:cacheprovider "$@"
+# our suite, then llama-cpp-python 0.3.36's own suite against our patched library (proof we broke nothing)
+status=0
+"$PY" -m pytest -q -p no:cacheprovider "$@" || status=$?
+if [ $# -eq 0 ]; then
+    bash scripts/test_llama_cpp_python.sh -q || status=$?
+fi
+exit $status
