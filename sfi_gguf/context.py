@@ -46,6 +46,7 @@ class LlamaContext:
         self.vocab = llama_cpp.llama_model_get_vocab(model)
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
         self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(model)
+        self.n_head = llama_cpp.llama_model_n_head(model)
         if n_ctx <= 0:
             n_ctx = self.n_ctx_train
         if n_ctx > self.n_ctx_train:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import codecs
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 from .context import LlamaContext
@@ -27,7 +27,7 @@ class GenerationStats:
     finish_reason: str = ""      # "stop" (EOG or stop string), "length" (max_tokens or n_ctx)
     seed: int = 0
     mode: str = "dense"
-    extra: dict = field(default_factory=dict)
+    sfi: object = None           # SFIStats when decoding with SFI
 
     @property
     def decode_tok_s(self) -> float:
@@ -51,8 +51,8 @@ class DenseStepper:
     def __init__(self, ctx: LlamaContext):
         self.ctx = ctx
 
-    def after_prefill(self) -> None:
-        pass
+    def prefill(self, tokens: Sequence[int], progress: bool = False) -> int:
+        return self.ctx.prefill(tokens, progress=progress)
 
     def step(self, token: int) -> None:
         self.ctx.decode_one(token)
@@ -104,8 +104,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
     stats.seed = sampler.seed
     stats.mode = stepper.mode
     t0 = time.perf_counter()
-    stats.n_prompt_decoded = ctx.prefill(prompt_tokens, progress=progress)
-    stepper.after_prefill()
+    stats.n_prompt_decoded = stepper.prefill(prompt_tokens, progress=progress)
     stats.prefill_s = time.perf_counter() - t0
 
     utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -6,6 +6,7 @@ import os
 from typing import Iterator, Sequence, Union
 
 from ._native import llama_cpp
+from .config import SFIConfig
 from .context import LlamaContext
 from .generate import Completion, DenseStepper, GenerationStats, run_generation
 from .models import resolve_model_path
@@ -24,22 +25,32 @@ class SFILlama:
     `model_path` None uses the default model (Qwen2.5-Coder-0.5B-Instruct, fetched and cached on first
     use); a known model name ("gemma3-270m") or a path to a .gguf file also work. n_ctx 0 means the
     model's training context.
+
+    `sfi`: an `SFIConfig` (default: `SFIConfig()`, the method with its published defaults), a policy
+    name ("punctuation", "fixed", "static", "sink_recent", "dense"), or False for plain dense decoding.
+    SFI needs flash attention (the compact view stores V like K).
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
                  n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int = 512,
-                 flash_attn: bool = True, verbose: bool = False, progress: bool = False):
+                 flash_attn: bool = True, verbose: bool = False, progress: bool = False,
+                 sfi: SFIConfig | str | bool | None = True):
         if n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0 = the model's training context), got {n_ctx}")
         if n_batch < 1:
             raise ValueError(f"n_batch must be >= 1, got {n_batch}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        self.sfi_config = _sfi_config(sfi)
+        if self.sfi_config.policy != "dense" and not flash_attn:
+            raise ValueError("SFI needs flash_attn=True (pass sfi=False for dense decoding without it)")
         self.model_path = resolve_model_path(model_path)
         self.progress = progress
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose)
         self.last_stats: GenerationStats | None = None
+        self._sfi_native = None
+        self._pieces = None
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -51,6 +62,9 @@ class SFILlama:
         return self._ctx
 
     def close(self) -> None:
+        if self._sfi_native is not None:
+            self._sfi_native.free()
+            self._sfi_native = None
         self._ctx.close()
 
     def __enter__(self):
@@ -114,7 +128,27 @@ class SFILlama:
 
     # -- generation -----------------------------------------------------------------------------
     def _stepper(self):
-        return DenseStepper(self._ctx)
+        """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept)."""
+        config = self.sfi_config
+        if config.policy == "dense":
+            return DenseStepper(self._ctx)
+        from .boundary import PieceTable
+        from .native import SFINative
+        from .policy import make_policy
+        from .selector import make_selector
+        from .sfi import SFIStepper
+
+        params = dict(n_sel_max=config.n_sink + config.resolve_k_head(self.n_ctx) + config.n_recent,
+                      n_tail_max=max(256, 2 * config.refresh_interval), n_query_rows=config.n_prefill_queries,
+                      evidence_alpha=config.alpha, export_key_norms=True)
+        if self._sfi_native is None:
+            self._sfi_native = SFINative(self._ctx.ctx, **params)
+        elif any(self._sfi_native.params[k] != v for k, v in params.items()):
+            self._sfi_native.init(**params)  # the config changed since: new budgets
+        if self._pieces is None and config.policy == "punctuation":
+            self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
+        return SFIStepper(self._ctx, self._sfi_native, config, make_policy(config, self._pieces),
+                          make_selector(config))
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -142,11 +176,12 @@ class SFILlama:
         self.last_stats = stats
         out_tokens: list[int] = []
         sampler = Sampler(params)
-        pieces = run_generation(self._ctx, tokens, sampler, self._stepper(), max_tokens, stop_list, stats,
+        stepper = self._stepper()
+        pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
                                 ignore_eos=ignore_eos)
         if max_tokens == 0:
-            pieces = _prefill_only(self._ctx, tokens, stats)
+            pieces = _prefill_only(stepper, self._ctx, tokens, stats)
         if stream:
             return _closing(pieces, sampler)
         try:
@@ -156,9 +191,21 @@ class SFILlama:
         return Completion(text=text, tokens=out_tokens, finish_reason=stats.finish_reason, stats=stats)
 
 
-def _prefill_only(ctx: LlamaContext, tokens, stats: GenerationStats) -> Iterator[str]:
+def _sfi_config(sfi) -> SFIConfig:
+    if sfi is True or sfi is None:
+        return SFIConfig()
+    if sfi is False:
+        return SFIConfig(policy="dense")
+    if isinstance(sfi, str):
+        return SFIConfig(policy=sfi)
+    if isinstance(sfi, SFIConfig):
+        return sfi
+    raise ValueError(f"sfi must be an SFIConfig, a policy name or a bool, got {sfi!r}")
+
+
+def _prefill_only(stepper, ctx: LlamaContext, tokens, stats: GenerationStats) -> Iterator[str]:
     stats.n_prompt = len(tokens)
-    stats.n_prompt_decoded = ctx.prefill(tokens)
+    stats.n_prompt_decoded = stepper.prefill(tokens)
     stats.finish_reason = "length"
     stats.n_ctx_end = len(ctx.tokens)
     return iter(())

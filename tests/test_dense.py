@@ -14,7 +14,7 @@ THREADS = 2
 
 @pytest.fixture(scope="module")
 def llm():
-    model = SFILlama(None, n_ctx=1024, n_threads=THREADS)
+    model = SFILlama(None, n_ctx=1024, n_threads=THREADS, sfi=False)
     yield model
     model.close()
 
@@ -121,7 +121,7 @@ def test_bad_constructor_arguments_raise_clear_errors(tmp_path):
 
 
 def test_gemma3_sliding_window_model_generates():
-    with SFILlama("gemma3-270m", n_ctx=1024, n_threads=THREADS) as gemma:
+    with SFILlama("gemma3-270m", n_ctx=1024, n_threads=THREADS, sfi=False) as gemma:
         out = gemma.generate("The capital of France is", max_tokens=8, temperature=0)
         assert "France" in out.text and out.stats.n_generated == 8
         with pytest.raises(ValueError, match="no chat template"):

@@ -1,0 +1,203 @@
+"""Slow-Fast Inference stepping: which decode steps are slow, fast or dense, and the refreshes.
+
+`SFIStepper` plugs into the generation loop (`generate.run_generation`) in place of the dense
+stepper. It owns the native compact view (`native.SFINative`), the trigger policy and the Selector:
+
+    prefill (dense) -> bootstrap slow step over the last prompt rows -> Selector -> selection
+    -> fast steps (compact view: selection + tail) -> slow step when the policy fires -> ...
+
+A slow step is an exact dense step that also exports attention mass; the Selector turns the export
+into the next selection. Policies whose memory needs no evidence (sink+recent, or a static
+selection whose tail fills up) refresh cheaply: the same cells, a new recent window, no slow step.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .config import SFIConfig
+from .context import LlamaContext
+from .native import SFINative
+from .policy import MemoryMode, TriggerPolicy
+from .selector import AttentionExport, CandidateRange, Selector, assemble_memory, refresh_overlap
+
+
+@dataclass
+class SFIStats:
+    """Per-generation SFI statistics (times in seconds)."""
+
+    policy: str = ""
+    selector: str = ""
+    k_head: int = 0
+    budget: int = 0                 # cells a fast step reads right after a refresh (sink + k_head + recent)
+    n_dense: int = 0                # steps decoded densely (context below the SFI threshold, or policy dense)
+    n_fast: int = 0
+    n_slow: int = 0                 # slow steps during generation (the bootstrap is counted apart)
+    n_bootstrap: int = 0
+    n_cheap_refresh: int = 0        # new recent window without a slow step
+    n_fell_back: int = 0            # fast steps that ran dense because the view was not valid
+    refresh_overlap: list[float] = field(default_factory=list)  # per slow-step refresh
+    slow_steps: list[int] = field(default_factory=list)          # generated-token index of each slow step
+    reasons: dict[str, int] = field(default_factory=dict)
+    t_dense: float = 0.0
+    t_fast: float = 0.0
+    t_slow: float = 0.0
+    t_selector: float = 0.0
+
+    @property
+    def mean_overlap(self) -> float:
+        return float(np.mean(self.refresh_overlap)) if self.refresh_overlap else float("nan")
+
+
+class SFIStepper:
+    """Decodes tokens with Slow-Fast Inference on one context (sequence 0)."""
+
+    mode = "sfi"
+
+    def __init__(self, ctx: LlamaContext, native: SFINative, config: SFIConfig, policy: TriggerPolicy,
+                 selector: Selector):
+        self.ctx = ctx
+        self.native = native
+        self.config = config
+        self.policy = policy
+        self.selector = selector
+        self.stats = SFIStats(policy=policy.name, selector=selector.name)
+        self._sparse = False            # a selection is loaded and FAST is the mode
+        self._selected: np.ndarray | None = None  # last Selector output [L, H, k] (candidate cells)
+        self._tail = 0                  # tokens appended by fast steps since the last selection
+        self._n_step = 0
+
+    # -- budgets ----------------------------------------------------------------------------------
+    def _k_head(self, n_context: int) -> int:
+        return self.config.resolve_k_head(n_context)
+
+    def _recent(self, n_context: int) -> int:
+        # sink+recent only spends the selection budget on a longer recent window (equal budget)
+        if self.policy.memory is MemoryMode.SINK_RECENT:
+            return self.config.n_recent + self._k_head(n_context)
+        return self.config.n_recent
+
+    def _wants_sparse(self, n_context: int) -> bool:
+        return self.policy.memory is not MemoryMode.DENSE and not self.config.stays_dense(n_context)
+
+    # -- the loop's interface ---------------------------------------------------------------------
+    def prefill(self, tokens, progress: bool = False) -> int:
+        """Dense prefill; then the bootstrap selection (last prompt rows as slow-step queries)."""
+        self._sparse = False
+        self._selected = None
+        self.native.set_mode(SFINative.DENSE)
+        self.policy.reset(context=tokens[-8:])
+        n = len(tokens)
+        if not self._wants_sparse(n):
+            return self.ctx.prefill(tokens, progress=progress)
+        if self.policy.memory is MemoryMode.SINK_RECENT:
+            decoded = self.ctx.prefill(tokens, progress=progress)
+            self._load_memory(np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32))
+            return decoded
+        n_rows = max(1, min(self.config.n_prefill_queries, n - 1))
+        decoded = self.ctx.prefill(tokens[:n - n_rows], progress=progress)
+        self.native.set_mode(SFINative.SLOW)
+        t0 = time.perf_counter()
+        self.ctx.decode(tokens[n - n_rows:])
+        self.stats.t_slow += time.perf_counter() - t0
+        self.stats.n_bootstrap += 1
+        self._refresh_from_export()
+        return decoded + n_rows
+
+    def step(self, token: int) -> None:
+        self._n_step += 1
+        slow = self.policy.on_token(token)
+        n_after = len(self.ctx.tokens) + 1
+        if not self._sparse:
+            if self._wants_sparse(n_after):  # the context just grew past the threshold
+                slow = self.policy.memory is not MemoryMode.SINK_RECENT
+                if not slow:
+                    self._load_memory(np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32))
+            else:
+                self._timed_decode(token, "t_dense")
+                self.stats.n_dense += 1
+                return
+        if self._sparse and not slow and self._tail >= self.native.params["n_tail_max"]:
+            self._cheap_refresh()
+        if slow:
+            self.native.set_mode(SFINative.SLOW)
+            self._timed_decode(token, "t_slow")
+            self.stats.n_slow += 1
+            self.stats.slow_steps.append(self._n_step)
+            if self.policy.reason:
+                self.stats.reasons[self.policy.reason] = self.stats.reasons.get(self.policy.reason, 0) + 1
+            self._refresh_from_export()
+            return
+        self._timed_decode(token, "t_fast")
+        self._tail += 1
+        self.stats.n_fast += 1
+        if self.native.fell_back_dense:
+            # the view was invalidated under us (cache edited): next step re-bootstraps with a slow step
+            self.stats.n_fell_back += 1
+            self._sparse = False
+            self.native.set_mode(SFINative.DENSE)
+
+    def annotate(self, stats) -> None:
+        self.stats.budget = (self.config.n_sink + self.stats.k_head + self.config.n_recent
+                             if self.stats.k_head else 0)
+        stats.sfi = self.stats
+
+    # -- internals --------------------------------------------------------------------------------
+    def _timed_decode(self, token: int, bucket: str) -> None:
+        t0 = time.perf_counter()
+        self.ctx.decode_one(token)
+        setattr(self.stats, bucket, getattr(self.stats, bucket) + time.perf_counter() - t0)
+
+    def _positions(self) -> np.ndarray:
+        return self.native.cell_pos()
+
+    def _refresh_from_export(self) -> None:
+        """Selector on the last slow step's export -> new selection; following steps are fast."""
+        t0 = time.perf_counter()
+        n_context = len(self.ctx.tokens)
+        k_head = self._k_head(n_context)
+        positions = self._positions()
+        mass = self.native.mass()
+        if mass is None:  # the slow step could not export (should not happen): stay dense until the next one
+            self.stats.n_fell_back += 1
+            self._sparse = False
+            self.native.set_mode(SFINative.DENSE)
+            return
+        export = AttentionExport(mass=mass, evidence=self.native.evidence(), key_norms=self.native.key_norms(),
+                                 n_rows=self.native.n_query_rows() * self._group_size(),
+                                 alpha=self.native.params["evidence_alpha"], positions=positions[: mass.shape[2]])
+        candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+        selected = self.selector.select(export, candidates, k_head)
+        if self._selected is not None and self._selected.shape[:2] == selected.shape[:2]:
+            self.stats.refresh_overlap.append(float(refresh_overlap(self._selected, selected)))
+        self._selected = selected
+        self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
+        self._load_memory(selected, positions, candidates)
+        self.stats.t_selector += time.perf_counter() - t0
+        self.policy.note_refresh()
+
+    def _cheap_refresh(self) -> None:
+        """Same selected cells, recent window moved to now: no slow step (tail would overflow)."""
+        self.stats.n_cheap_refresh += 1
+        selected = self._selected if self._selected is not None else \
+            np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32)
+        self._load_memory(selected)
+
+    def _load_memory(self, selected: np.ndarray, positions: np.ndarray | None = None,
+                     candidates: CandidateRange | None = None) -> None:
+        n_context = len(self.ctx.tokens)
+        if positions is None:
+            positions = self._positions()
+        if candidates is None:
+            candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+        sink, recent = candidates.sink_and_recent_cells(positions)
+        memory = assemble_memory(selected, sink, recent)
+        self.native.set_selection(memory)
+        self.native.set_mode(SFINative.FAST)
+        self._sparse = True
+        self._tail = 0
+
+    def _group_size(self) -> int:
+        return self.ctx.n_head // max(1, self.native.n_head_kv)

@@ -1,0 +1,189 @@
+"""Trigger policies on hand-written token streams."""
+import random
+
+import pytest
+
+from sfi_gguf.boundary import PieceTable
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.policy import (
+    POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, SinkRecentPolicy, StaticPolicy,
+    make_policy, policy_names,
+)
+
+PIECES = ["Hello", " world", ".", " It", " is", " fine", "\n\n", "!", " ok", "?", " Yes", ".\n", " the", "3",
+          "14", "\n", " end", "The", ".\n\n", "?\n\n", " a", "", " "]
+TABLE = PieceTable(PIECES)
+ID = {piece: i for i, piece in enumerate(PIECES)}
+
+
+def ids(*pieces):
+    return [ID[p] for p in pieces]
+
+
+def punctuation(cooldown=2, min_gap=16, refresh_interval=64):
+    policy = make_policy(SFIConfig(cooldown=cooldown, min_gap=min_gap, refresh_interval=refresh_interval), TABLE)
+    policy.reset()  # the bootstrap refresh after prefill
+    return policy
+
+
+def slow_steps(policy, tokens):
+    """Indices of the tokens whose decode step the policy makes slow."""
+    return [i for i, token in enumerate(tokens) if policy.on_token(token)]
+
+
+def test_the_slow_step_is_the_first_token_of_the_next_sentence():
+    policy = punctuation(min_gap=0)
+    stream = ids("Hello", " world", ".", " It", " is", " fine", ".\n\n", "\n", "The", " end", " is", "?", " Yes")
+    assert slow_steps(policy, stream) == [3, 8, 12]
+    assert policy.counts["sentence"] == 3
+
+
+def test_enders_and_whitespace_after_an_ender_do_not_open_the_sentence():
+    policy = punctuation(min_gap=0, cooldown=0)
+    stream = ids(" ok", "?", "!", "\n\n", "", " ", "\n", " Yes", " ok")
+    assert slow_steps(policy, stream) == [7]
+
+
+def test_no_trigger_where_the_text_goes_on():
+    policy = punctuation(min_gap=0, cooldown=0)
+    stream = ids(" is", "3", ".", "14", " world", ".", " a", " end", "!", "\n", "The")  # 3.14; ". a" lowercase
+    assert slow_steps(policy, stream) == [10]
+
+
+def test_triggers_inside_the_minimum_gap_are_dropped():
+    policy = punctuation(min_gap=16, cooldown=0)
+    sentence = ids(" It", " is", " fine", ".")  # 4 tokens: sentence starts at steps 5, 9, 13, 17, ...
+    fired = slow_steps(policy, ids(" ok") + sentence * 10)
+    # sentence starts at tokens 5, 9, 13, ...; token i is step i + 1 after the refresh
+    assert fired == [17, 33]
+    assert policy.counts["sentence"] == 2
+    assert policy.counts["dropped"] == 10 - 1 - 2  # every other sentence start but the first
+
+
+def test_cooldown_ignores_enders_right_after_a_trigger():
+    stream = ids(".", " Yes", ".", " It", " is", ".", " It")  # "Yes." ends one step after its trigger
+    assert slow_steps(punctuation(min_gap=0, cooldown=2), stream) == [1, 6]
+    assert slow_steps(punctuation(min_gap=0, cooldown=0), stream) == [1, 3, 6]
+    # the cooldown is over after two tokens: an ender on the third arms again
+    stream = ids(".", " Yes", " is", " ok", ".", " It")
+    assert slow_steps(punctuation(min_gap=0, cooldown=2), stream) == [1, 5]
+
+
+def test_cooldown_also_follows_a_dropped_trigger():
+    policy = punctuation(min_gap=100, cooldown=2, refresh_interval=1000)
+    stream = ids(".", " Yes", ".", " It")
+    assert slow_steps(policy, stream) == []
+    assert policy.counts["dropped"] == 1  # " It" was never armed: the "." came in the cooldown
+
+
+def test_t_max_forces_a_slow_step_without_sentences():
+    policy = punctuation(refresh_interval=64)
+    fired = slow_steps(policy, ids(" is") * 200)
+    assert fired == [63, 127, 191]  # the 64th step after each refresh
+    assert policy.reason is None and policy.counts == {"interval": 3}
+    policy.reset()
+    assert policy.steps_since_refresh == 0
+    assert slow_steps(policy, ids(" is") * 64) == [63]
+    assert policy.reason == "interval"
+
+
+def test_sentences_reset_the_t_max_count():
+    policy = punctuation(min_gap=16, refresh_interval=20)
+    stream = ids(" is") * 17 + ids(".", " It") + ids(" is") * 25
+    assert slow_steps(policy, stream) == [18, 38]  # sentence at step 19, then 20 steps later: interval
+
+
+def test_reset_forgets_a_pending_sentence_end():
+    policy = punctuation(min_gap=0)
+    assert slow_steps(policy, ids(" ok", ".")) == []
+    policy.reset()
+    assert slow_steps(policy, ids(" It", " is")) == []
+
+
+def test_note_refresh_restarts_the_count_but_keeps_the_sentence_state():
+    policy = punctuation(min_gap=0, cooldown=2, refresh_interval=10)
+    assert slow_steps(policy, ids(" ok", ".", " It", " is")) == [2]
+    policy.note_refresh()  # what a loop does after every selection: harmless after on_token's own
+    assert policy.steps_since_refresh == 0
+    assert slow_steps(policy, ids(".", " It")) == []  # still in the cooldown of the trigger at " It"
+    assert slow_steps(policy, ids(" is") * 8) == [7]  # T_max counted from note_refresh
+
+
+def test_reset_reads_the_context_without_triggering():
+    policy = punctuation(min_gap=0)
+    policy.reset(context=ids("Hello", ".", " It", " is", " fine", "."))  # the prompt ends a sentence
+    assert policy.steps_since_refresh == 0 and not policy.counts
+    assert slow_steps(policy, ids(" Yes", " ok")) == [0]
+
+
+def test_matches_the_reference_trigger_on_random_text():
+    """Same slow steps as the authors' id-based RefreshTrigger (transcribed below) on text where
+    both agree on what a sentence is: capitalised starts, enders followed by whitespace."""
+    enders = ids(".", "?", "!", ".\n", ".\n\n", "?\n\n")
+    newlines = ids("\n", "\n\n")
+
+    def reference(tokens, cooldown, min_gap, interval):
+        state = dict(cooldown=0, awaiting=False, since=0)
+        fired = []
+        for i, token in enumerate(tokens):
+            state["since"] += 1
+            within_gap = min_gap > 0 and state["since"] < min_gap
+            if state["cooldown"] == 0 and token in enders:  # _check_sentence_end
+                state["cooldown"], state["awaiting"] = cooldown, True
+            elif state["cooldown"] > 0:
+                state["cooldown"] -= 1
+            start = False
+            if state["awaiting"] and token not in enders and token not in newlines:  # _check_sentence_start
+                state["awaiting"], start = False, True
+                state["cooldown"] = max(state["cooldown"], cooldown)
+            if (start and not within_gap) or state["since"] >= interval:  # + the step-time interval planner
+                state["since"] = 0
+                fired.append(i)
+        return fired
+
+    rng = random.Random(0)
+    for trial in range(40):
+        tokens = []
+        while len(tokens) < 400:
+            tokens.append(ID[rng.choice([" It", " Yes", "The", "Hello"] if tokens and PIECES[tokens[-1]].endswith("\n")
+                                        else [" It", " Yes"])])
+            tokens += ids(*rng.choices([" is", " fine", " ok", " the", " world"], k=rng.randrange(0, 7)))
+            tokens.append(ID[rng.choice([".", "?", "!", ".\n", ".\n\n", "?\n\n"])])
+            tokens += ids(*rng.choices(["\n", "\n\n"], k=rng.choice([0, 0, 1, 2])))
+        cooldown, min_gap, interval = rng.choice([(2, 16, 64), (2, 0, 64), (0, 4, 10), (3, 8, 24)])
+        ours = slow_steps(punctuation(cooldown, min_gap, interval), tokens)
+        assert ours == reference(tokens, cooldown, min_gap, interval), (trial, cooldown, min_gap, interval)
+
+
+def test_fixed_period():
+    policy = make_policy(SFIConfig(policy="fixed", fixed_period=10))
+    assert isinstance(policy, FixedPeriodPolicy) and policy.memory is MemoryMode.SELECTED and policy.bootstrap
+    policy.reset()
+    assert slow_steps(policy, ids(".", " It") * 15) == [9, 19, 29]
+    assert policy.reason == "period" and policy.counts == {"period": 3}
+
+
+@pytest.mark.parametrize("name,cls,memory,bootstrap", [
+    ("static", StaticPolicy, MemoryMode.SELECTED, True),
+    ("sink_recent", SinkRecentPolicy, MemoryMode.SINK_RECENT, False),
+    ("dense", DensePolicy, MemoryMode.DENSE, False),
+])
+def test_policies_that_never_refresh(name, cls, memory, bootstrap):
+    policy = make_policy(SFIConfig(policy=name), TABLE)
+    assert isinstance(policy, cls) and policy.memory is memory and policy.bootstrap is bootstrap
+    policy.reset()
+    assert slow_steps(policy, ids(".", " It", " is") * 100) == []
+
+
+def test_registry():
+    assert set(policy_names()) == set(POLICIES) == {"punctuation", "fixed", "static", "sink_recent", "dense"}
+    assert isinstance(make_policy(SFIConfig(), PIECES), PunctuationTmaxPolicy)  # raw pieces are accepted too
+    assert isinstance(make_policy(SFIConfig(), TABLE, name="dense"), DensePolicy)
+    policy = make_policy(SFIConfig(cooldown=3, min_gap=8, refresh_interval=32), TABLE)
+    assert (policy.cooldown, policy.min_gap, policy.refresh_interval) == (3, 8, 32)
+    with pytest.raises(ValueError, match="unknown trigger policy"):
+        make_policy(SFIConfig(), TABLE, name="sometimes")
+    with pytest.raises(ValueError, match="token pieces"):
+        make_policy(SFIConfig())
+    for cls in POLICIES.values():
+        assert cls.summary() and "\n" not in cls.summary()
