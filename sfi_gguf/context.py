@@ -187,11 +187,13 @@ class LlamaContext:
             raise ContextError(f"llama_decode failed with code {rc}")
         self.tokens.append(token)
 
-    def prefill(self, tokens: Sequence[int], progress: bool = False) -> int:
+    def prefill(self, tokens: Sequence[int], progress: bool = False, before_last_chunk=None) -> int:
         """Bring the cache to exactly `tokens`, reusing the longest cached prefix.
 
         Returns how many tokens were actually decoded. The last token is always decoded so that its
-        logits are available for sampling.
+        logits are available for sampling. `before_last_chunk()` runs right before the final
+        llama_decode (SFI makes that one a slow step); chunking is the same with or without it, so
+        the cache content is bit-identical either way.
         """
         if not tokens:
             raise ValueError("empty prompt")
@@ -206,7 +208,10 @@ class LlamaContext:
         bar = Progress(len(todo), "prompt", enabled=progress)
         for start in range(0, len(todo), self.n_batch):
             chunk = todo[start:start + self.n_batch]
-            self.decode(chunk, want_last_logits=start + len(chunk) == len(todo))
+            last = start + len(chunk) == len(todo)
+            if last and before_last_chunk is not None:
+                before_last_chunk()
+            self.decode(chunk, want_last_logits=last)
             bar.update(len(chunk))
         if progress:
             bar.close()

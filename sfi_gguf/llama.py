@@ -61,6 +61,10 @@ class SFILlama:
     def context(self) -> LlamaContext:
         return self._ctx
 
+    def reset(self) -> None:
+        """Forget the KV cache (the next generate prefills its whole prompt)."""
+        self._ctx.clear()
+
     def close(self) -> None:
         if self._sfi_native is not None:
             self._sfi_native.free()
@@ -127,10 +131,12 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
-    def _stepper(self):
+    def _stepper(self, config: SFIConfig | None = None):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept)."""
-        config = self.sfi_config
+        config = config or self.sfi_config
         if config.policy == "dense":
+            if self._sfi_native is not None:
+                self._sfi_native.set_mode(0)  # plain dense decodes from now on
             return DenseStepper(self._ctx)
         from .boundary import PieceTable
         from .native import SFINative

@@ -96,15 +96,13 @@ class SFIStepper:
             decoded = self.ctx.prefill(tokens, progress=progress)
             self._load_memory(np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32))
             return decoded
-        n_rows = max(1, min(self.config.n_prefill_queries, n - 1))
-        decoded = self.ctx.prefill(tokens[:n - n_rows], progress=progress)
-        self.native.set_mode(SFINative.SLOW)
-        t0 = time.perf_counter()
-        self.ctx.decode(tokens[n - n_rows:])
-        self.stats.t_slow += time.perf_counter() - t0
+        # the final chunk of the prefill is the bootstrap slow step: its last (up to
+        # n_prefill_queries) tokens are the query rows of the export
+        decoded = self.ctx.prefill(tokens, progress=progress, before_last_chunk=self._begin_bootstrap)
+        self.stats.t_slow += time.perf_counter() - self._t_bootstrap
         self.stats.n_bootstrap += 1
         self._refresh_from_export()
-        return decoded + n_rows
+        return decoded
 
     def step(self, token: int) -> None:
         self._n_step += 1
@@ -145,6 +143,10 @@ class SFIStepper:
         stats.sfi = self.stats
 
     # -- internals --------------------------------------------------------------------------------
+    def _begin_bootstrap(self) -> None:
+        self.native.set_mode(SFINative.SLOW)
+        self._t_bootstrap = time.perf_counter()
+
     def _timed_decode(self, token: int, bucket: str) -> None:
         t0 = time.perf_counter()
         self.ctx.decode_one(token)

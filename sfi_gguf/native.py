@@ -1,0 +1,220 @@
+"""ctypes bindings of the `llama_sfi_*` C API (compact-view fast steps, attention-mass export).
+
+The functions live in the same patched libllama that llama-cpp-python loaded (`_native.lib`), so they
+act on the contexts created through `llama_cpp`. See include/llama.h of the patched tree for the
+C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
+
+Typical cycle (one sequence, flash attention on):
+
+    sfi = SFINative(ctx, n_sel_max=..., n_tail_max=256, n_query_rows=1)
+    sfi.set_mode(SFINative.SLOW);  decode(token)        # dense, exact logits + export
+    mass = sfi.mass()                                   # [n_layers, n_head_kv, n_cells]
+    sfi.set_selection(cells)                            # int32 [n_layers, n_head_kv, n_sel] cell ids
+    sfi.set_mode(SFINative.FAST);  decode(...)          # attends to the selection + tail only
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import numpy as np
+
+from ._native import lib, llama_cpp
+
+MODE_DENSE = 0
+MODE_SLOW = 1
+MODE_FAST = 2
+
+STATUS_VIEW_VALID = 1
+STATUS_LAST_FAST = 2
+STATUS_FELL_BACK_DENSE = 4
+STATUS_MASS_VALID = 8
+
+ERR_NOT_INIT = -1
+ERR_BAD_ARG = -2
+ERR_RANGE = -3
+ERR_DUPLICATE = -4
+ERR_COUNT = -5
+ERR_UNSUPPORTED = -6
+ERR_ALLOC = -7
+
+_ERROR_TEXT = {
+    ERR_NOT_INIT: "SFI is not initialized on this context (llama_sfi_init not called, or freed)",
+    ERR_BAD_ARG: "bad argument (null pointer, mode, sequence id or parameter)",
+    ERR_RANGE: "a cell is outside the cache, empty, or not in the sequence",
+    ERR_DUPLICATE: "a cell appears twice in one (layer, head) selection",
+    ERR_COUNT: "n_sel outside [1, n_sel_max], or the selection shape does not match [n_layers, n_head_kv]",
+    ERR_UNSUPPORTED: "unsupported context (flash attention off, n_seq_max > 1, or an unsupported model/cache)",
+    ERR_ALLOC: "could not allocate the compact buffers",
+}
+
+
+class SFIError(RuntimeError):
+    """A llama_sfi_* call returned an error code (the code is in `.code`)."""
+
+    def __init__(self, func: str, code: int):
+        self.code = code
+        super().__init__(f"{func} failed ({code}): {_ERROR_TEXT.get(code, 'unknown error')}")
+
+
+class llama_sfi_params(ctypes.Structure):
+    _fields_ = [
+        ("n_sel_max", ctypes.c_int32),
+        ("n_tail_max", ctypes.c_int32),
+        ("n_query_rows", ctypes.c_int32),
+        ("evidence_alpha", ctypes.c_float),
+        ("export_key_norms", ctypes.c_bool),
+    ]
+
+
+_ctx_p = llama_cpp.llama_context_p_ctypes
+_i32p = ctypes.POINTER(ctypes.c_int32)
+_f32p = ctypes.POINTER(ctypes.c_float)
+
+
+def _bind(name, argtypes, restype):
+    fn = getattr(lib, name)
+    fn.argtypes = argtypes
+    fn.restype = restype
+    return fn
+
+
+HAS_SFI = hasattr(lib, "llama_sfi_init")
+if HAS_SFI:
+    _default_params = _bind("llama_sfi_default_params", [], llama_sfi_params)
+    _init = _bind("llama_sfi_init", [_ctx_p, ctypes.POINTER(llama_sfi_params)], ctypes.c_int32)
+    _free = _bind("llama_sfi_free", [_ctx_p], None)
+    _n_layers = _bind("llama_sfi_n_layers", [_ctx_p], ctypes.c_int32)
+    _layer_info = _bind("llama_sfi_layer_info", [_ctx_p, ctypes.c_int32, _i32p, _i32p], ctypes.c_int32)
+    _set_mode = _bind("llama_sfi_set_mode", [_ctx_p, ctypes.c_int], ctypes.c_int32)
+    _set_selection = _bind("llama_sfi_set_selection",
+                           [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
+                           ctypes.c_int32)
+    _get_mass = _bind("llama_sfi_get_mass", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_evidence = _bind("llama_sfi_get_evidence", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_key_norms = _bind("llama_sfi_get_key_norms", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_n_query_rows = _bind("llama_sfi_get_n_query_rows", [_ctx_p], ctypes.c_int32)
+    _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
+    _status = _bind("llama_sfi_status", [_ctx_p], ctypes.c_uint32)
+
+
+def _check(func: str, rc: int) -> int:
+    if rc < 0:
+        raise SFIError(func, rc)
+    return rc
+
+
+def default_params() -> dict:
+    p = _default_params()
+    return {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    index: int      # index among the covered layers
+    il: int         # model layer
+    n_head_kv: int
+
+
+class SFINative:
+    """SFI state of one llama_context (created with flash attention on and n_seq_max = 1)."""
+
+    DENSE, SLOW, FAST = MODE_DENSE, MODE_SLOW, MODE_FAST
+
+    def __init__(self, ctx, n_sel_max: int | None = None, n_tail_max: int | None = None,
+                 n_query_rows: int | None = None, evidence_alpha: float | None = None,
+                 export_key_norms: bool | None = None):
+        if not HAS_SFI:
+            raise SFIError("llama_sfi_init", ERR_UNSUPPORTED)
+        self.ctx = ctx
+        self._initialized = False
+        self.init(n_sel_max, n_tail_max, n_query_rows, evidence_alpha, export_key_norms)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def init(self, n_sel_max=None, n_tail_max=None, n_query_rows=None, evidence_alpha=None,
+             export_key_norms=None) -> None:
+        p = _default_params()
+        for name, value in (("n_sel_max", n_sel_max), ("n_tail_max", n_tail_max),
+                            ("n_query_rows", n_query_rows), ("evidence_alpha", evidence_alpha),
+                            ("export_key_norms", export_key_norms)):
+            if value is not None:
+                setattr(p, name, value)
+        _check("llama_sfi_init", _init(self.ctx, ctypes.byref(p)))
+        self.params = {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
+        self._initialized = True
+        self.layers = [self.layer_info(i) for i in range(_n_layers(self.ctx))]
+        self.n_layers = len(self.layers)
+        self.n_head_kv = max((l.n_head_kv for l in self.layers), default=0)
+
+    def free(self) -> None:
+        if self.ctx:
+            _free(self.ctx)
+        self._initialized = False
+
+    # -- info -----------------------------------------------------------------------------------
+    def layer_info(self, i: int) -> LayerInfo:
+        il, hkv = ctypes.c_int32(), ctypes.c_int32()
+        _check("llama_sfi_layer_info", _layer_info(self.ctx, i, ctypes.byref(il), ctypes.byref(hkv)))
+        return LayerInfo(i, il.value, hkv.value)
+
+    def status(self) -> int:
+        return int(_status(self.ctx))
+
+    @property
+    def view_valid(self) -> bool:
+        return bool(self.status() & STATUS_VIEW_VALID)
+
+    @property
+    def last_fast(self) -> bool:
+        return bool(self.status() & STATUS_LAST_FAST)
+
+    @property
+    def fell_back_dense(self) -> bool:
+        return bool(self.status() & STATUS_FELL_BACK_DENSE)
+
+    @property
+    def mass_valid(self) -> bool:
+        return bool(self.status() & STATUS_MASS_VALID)
+
+    # -- control --------------------------------------------------------------------------------
+    def set_mode(self, mode: int) -> None:
+        _check("llama_sfi_set_mode", _set_mode(self.ctx, int(mode)))
+
+    def set_selection(self, cells, seq: int = 0) -> None:
+        """cells: int array [n_layers, n_head_kv, n_sel] of cell ids (see cell_pos())."""
+        a = np.ascontiguousarray(cells, dtype=np.int32)
+        if a.ndim != 3:
+            raise SFIError("llama_sfi_set_selection", ERR_COUNT)
+        rc = _set_selection(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2])
+        _check("llama_sfi_set_selection", rc)
+
+    # -- exports --------------------------------------------------------------------------------
+    def _export(self, fn, name: str) -> np.ndarray | None:
+        nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+        ptr = fn(self.ctx, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nc))
+        if not ptr:
+            if not self._initialized:
+                raise SFIError(name, ERR_NOT_INIT)
+            return None
+        shape = (nl.value, nh.value, nc.value)
+        return np.ctypeslib.as_array(ptr, shape=shape).copy()
+
+    def mass(self) -> np.ndarray | None:
+        """[n_layers, n_head_kv, n_cells] of the last SLOW decode (None if there is none)."""
+        return self._export(_get_mass, "llama_sfi_get_mass")
+
+    def evidence(self) -> np.ndarray | None:
+        return self._export(_get_evidence, "llama_sfi_get_evidence")
+
+    def key_norms(self) -> np.ndarray | None:
+        return self._export(_get_key_norms, "llama_sfi_get_key_norms")
+
+    def n_query_rows(self) -> int:
+        return _check("llama_sfi_get_n_query_rows", _get_n_query_rows(self.ctx))
+
+    def cell_pos(self, seq: int = 0) -> np.ndarray:
+        """Position of every cell in seq (-1: empty or another sequence), int32 [kv_size]."""
+        n = _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, None, 0))
+        out = np.empty(n, dtype=np.int32)
+        _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, out.ctypes.data_as(_i32p), n))
+        return out

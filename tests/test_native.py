@@ -1,0 +1,705 @@
+"""Native SFI patch: compact-view FAST steps, SLOW-step export, invalidation, error handling.
+
+Most tests use tiny random-weight GGUFs (sfi_gguf.random_model) on the CPU backend; the references are
+a second, dense context fed the same tokens, dense decoding after llama_memory_seq_rm, and numpy
+computations from tensors observed with cb_eval. Tests marked real_model use the default model.
+Set SFI_TEST_NGL=99 to run them with the layers offloaded (CUDA build).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+
+import numpy as np
+import pytest
+
+from sfi_gguf._native import lib, llama_cpp
+from sfi_gguf import native
+from sfi_gguf.native import SFIError, SFINative
+from sfi_gguf.random_model import random_model
+
+# one thread: the models are tiny, and OpenMP spin-waits badly when the 2 cores of CI are shared
+THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))
+NGL = int(os.environ.get("SFI_TEST_NGL", "0"))
+GGML_TYPE_F16 = 1
+GGML_TYPE_Q8_0 = 8
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+class ggml_tensor(ctypes.Structure):
+    """Head of struct ggml_tensor (ggml.h), enough to read a tensor seen by cb_eval."""
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * 4),
+        ("nb", ctypes.c_size_t * 4),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * 16),
+        ("flags", ctypes.c_int32),
+        ("src", ctypes.c_void_p * 10),
+        ("view_src", ctypes.c_void_p),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * 64),
+    ]
+
+
+class Capture:
+    """cb_eval callback that copies F32 tensors whose name starts with one of `prefixes`.
+
+    Only for host (CPU) tensors: the tests that use it run on the CPU backend.
+    """
+
+    def __init__(self, prefixes):
+        self.prefixes = tuple(p.encode() for p in prefixes)
+        self.seen: dict[str, list[np.ndarray]] = {}
+        self.enabled = True
+
+        def cb(t_ptr, ask, _user):
+            t = ctypes.cast(t_ptr, ctypes.POINTER(ggml_tensor)).contents
+            name = t.name
+            want = self.enabled and name.startswith(self.prefixes) and t.type == 0
+            if ask:
+                return want
+            if want and t.data:
+                ne = [t.ne[i] for i in range(4)]
+                nb = [t.nb[i] for i in range(4)]
+                size = (ne[3] - 1) * nb[3] + (ne[2] - 1) * nb[2] + (ne[1] - 1) * nb[1] + ne[0] * 4
+                raw = np.ctypeslib.as_array(ctypes.cast(t.data, ctypes.POINTER(ctypes.c_uint8)), shape=(size,))
+                arr = np.lib.stride_tricks.as_strided(raw.view(np.float32) if nb[0] == 4 else raw,
+                                                      shape=ne[::-1], strides=nb[::-1]).copy()
+                self.seen.setdefault(name.decode(), []).append(arr)
+            return True
+
+        self.fn = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+    def last(self, name):
+        return self.seen[name][-1]
+
+    def clear(self):
+        self.seen.clear()
+
+
+class Model:
+    def __init__(self, path, n_gpu_layers=NGL):
+        llama_cpp.llama_backend_init()
+        mp = llama_cpp.llama_model_default_params()
+        mp.n_gpu_layers = n_gpu_layers
+        self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
+        assert self.ptr, f"cannot load {path}"
+        self.vocab = llama_cpp.llama_model_get_vocab(self.ptr)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+
+    def close(self):
+        if self.ptr:
+            llama_cpp.llama_model_free(self.ptr)
+            self.ptr = None
+
+
+class Ctx:
+    """A context for sequence 0 (or n_seq_max sequences) with a reusable batch."""
+
+    def __init__(self, model: Model, n_ctx=1024, flash_attn=True, type_kv=GGML_TYPE_F16, n_seq_max=1,
+                 capture: Capture | None = None, n_batch=512):
+        self.model = model
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_ctx
+        cp.n_batch = n_batch
+        cp.n_ubatch = n_batch
+        cp.n_seq_max = n_seq_max
+        cp.n_threads = THREADS
+        cp.n_threads_batch = THREADS
+        cp.type_k = type_kv
+        cp.type_v = type_kv
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        if capture is not None:
+            cp.cb_eval = capture.fn
+            cp.cb_eval_user_data = None
+        self.capture = capture
+        self.ctx = llama_cpp.llama_init_from_model(model.ptr, cp)
+        assert self.ctx
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
+        self.n_past = 0
+
+    def decode(self, tokens, pos0=None, all_logits=False):
+        pos0 = self.n_past if pos0 is None else pos0
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, t in enumerate(tokens):
+            b.token[i] = int(t)
+            b.pos[i] = pos0 + i
+            b.n_seq_id[i] = 1
+            b.seq_id[i][0] = 0
+            b.logits[i] = all_logits or i == len(tokens) - 1
+        rc = llama_cpp.llama_decode(self.ctx, b)
+        assert rc == 0, f"llama_decode: {rc}"
+        self.n_past = max(self.n_past, pos0 + len(tokens))
+
+    def logits(self, i=-1):
+        p = llama_cpp.llama_get_logits_ith(self.ctx, i)
+        return np.ctypeslib.as_array(p, shape=(self.model.n_vocab,)).copy()
+
+    def seq_rm(self, p0, p1):
+        assert llama_cpp.llama_memory_seq_rm(self.mem, 0, p0, p1)
+
+    def close(self):
+        if self.batch is not None:
+            llama_cpp.llama_batch_free(self.batch)
+            self.batch = None
+        if self.ctx:
+            llama_cpp.llama_free(self.ctx)
+            self.ctx = None
+
+
+def tokens_for(model: Model, n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(3, model.n_vocab, n)]
+
+
+def nmse(a, b):
+    return float(np.sum((a - b) ** 2) / np.sum(b ** 2))
+
+
+def all_cells(sfi: SFINative, n_cells: int, rng=None) -> np.ndarray:
+    """Every cell [0, n_cells) for every (layer, head); permuted per head when rng is given."""
+    sel = np.empty((sfi.n_layers, sfi.n_head_kv, n_cells), dtype=np.int32)
+    for i in range(sfi.n_layers):
+        for h in range(sfi.n_head_kv):
+            sel[i, h] = rng.permutation(n_cells) if rng is not None else np.arange(n_cells)
+    return sel
+
+
+# -- fixtures --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny():
+    m = Model(random_model("tiny-llama"))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen2():
+    m = Model(random_model("tiny-qwen2"))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3():
+    m = Model(random_model("tiny-qwen3"))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3():
+    m = Model(random_model("tiny-gemma3"))
+    yield m
+    m.close()
+
+
+@pytest.fixture(scope="module")
+def real():
+    from sfi_gguf import ensure_model
+
+    m = Model(ensure_model())
+    yield m
+    m.close()
+
+
+def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_max=64, n_ctx=1024, seed=0):
+    """Dense context A and FAST context B fed the same tokens (B's greedy choices are A's)."""
+    a = Ctx(model, n_ctx=n_ctx, type_kv=type_kv)
+    b = Ctx(model, n_ctx=n_ctx, type_kv=type_kv)
+    try:
+        toks = tokens_for(model, n_prefill, seed)
+        a.decode(toks)
+        b.decode(toks)
+        sfi = SFINative(b.ctx, n_sel_max=max(n_prefill, 16), n_tail_max=n_tail_max)
+        sfi.set_selection(make_sel(sfi, n_prefill))
+        sfi.set_mode(sfi.FAST)
+        out = []
+        tok = int(np.argmax(a.logits()))
+        for _ in range(n_steps):
+            a.decode([tok])
+            b.decode([tok])
+            assert sfi.status() & native.STATUS_LAST_FAST, sfi.status()
+            la, lb = a.logits(), b.logits()
+            out.append((la, lb))
+            tok = int(np.argmax(la))
+        return out
+    finally:
+        a.close()
+        b.close()
+
+
+# -- API and errors --------------------------------------------------------------------------------
+
+def test_version_and_default_params():
+    assert lib.llama_sfi_version() == 2
+    p = native.default_params()
+    assert p["n_sel_max"] > 0 and p["n_tail_max"] > 0 and p["n_query_rows"] == 1
+
+
+def test_calls_before_init_and_after_free(tiny):
+    c = Ctx(tiny)
+    try:
+        assert native._set_mode(c.ctx, 2) == native.ERR_NOT_INIT
+        sel = np.zeros((1, 1, 1), dtype=np.int32)
+        assert native._set_selection(c.ctx, 0, sel.ctypes.data_as(native._i32p), 1, 1, 1) == native.ERR_NOT_INIT
+        assert native._n_layers(c.ctx) == 0
+        assert native._status(c.ctx) == 0
+        n = ctypes.c_int32(-1)
+        assert not native._get_mass(c.ctx, None, None, ctypes.byref(n)) and n.value == 0
+        sfi = SFINative(c.ctx)
+        assert sfi.n_layers == 2 and sfi.n_head_kv == 4
+        sfi.free()
+        with pytest.raises(SFIError) as e:
+            sfi.set_mode(sfi.FAST)
+        assert e.value.code == native.ERR_NOT_INIT
+        sfi.free()  # twice is fine
+        c.decode(tokens_for(tiny, 8))  # and decoding still works
+    finally:
+        c.close()
+
+
+def test_init_refusals(tiny):
+    c = Ctx(tiny, flash_attn=False)
+    try:
+        with pytest.raises(SFIError) as e:
+            SFINative(c.ctx)
+        assert e.value.code == native.ERR_UNSUPPORTED
+    finally:
+        c.close()
+    c = Ctx(tiny, n_seq_max=2)
+    try:
+        with pytest.raises(SFIError) as e:
+            SFINative(c.ctx)
+        assert e.value.code == native.ERR_UNSUPPORTED
+    finally:
+        c.close()
+    c = Ctx(tiny)
+    try:
+        for bad in (dict(n_sel_max=0), dict(n_tail_max=0), dict(n_query_rows=0), dict(evidence_alpha=-1.0)):
+            with pytest.raises(SFIError) as e:
+                SFINative(c.ctx, **bad)
+            assert e.value.code == native.ERR_BAD_ARG
+        assert native._init(c.ctx, None) == native.ERR_BAD_ARG
+        sfi = SFINative(c.ctx)
+        with pytest.raises(SFIError) as e:
+            sfi.set_mode(7)
+        assert e.value.code == native.ERR_BAD_ARG
+    finally:
+        c.close()
+
+
+def test_bad_selections(tiny):
+    c = Ctx(tiny, n_ctx=512)
+    try:
+        c.decode(tokens_for(tiny, 40))
+        sfi = SFINative(c.ctx, n_sel_max=32, n_tail_max=8)
+        L, H = sfi.n_layers, sfi.n_head_kv
+        good = np.tile(np.arange(16, dtype=np.int32), (L, H, 1))
+
+        def code(sel, seq=0):
+            with pytest.raises(SFIError) as e:
+                sfi.set_selection(sel, seq=seq)
+            return e.value.code
+
+        bad = good.copy(); bad[1, 2, 3] = -1
+        assert code(bad) == native.ERR_RANGE
+        bad = good.copy(); bad[0, 0, 0] = 512          # == kv_size
+        assert code(bad) == native.ERR_RANGE
+        bad = good.copy(); bad[0, 3, 5] = 100          # empty cell
+        assert code(bad) == native.ERR_RANGE
+        bad = good.copy(); bad[1, 1, 7] = bad[1, 1, 2]  # duplicate in one (layer, head)
+        assert code(bad) == native.ERR_DUPLICATE
+        assert code(np.tile(np.arange(33, dtype=np.int32), (L, H, 1))) == native.ERR_COUNT  # > n_sel_max
+        assert code(good[:1]) == native.ERR_COUNT       # wrong n_layers
+        assert code(good[:, :2]) == native.ERR_COUNT    # wrong n_head_kv
+        assert code(good[:, :, :0]) == native.ERR_COUNT  # empty
+        assert code(good, seq=1) == native.ERR_BAD_ARG
+        assert code(good, seq=-1) == native.ERR_BAD_ARG
+        assert native._set_selection(c.ctx, 0, None, L, H, 16) == native.ERR_BAD_ARG
+        assert not sfi.view_valid
+        # the same cell in two heads or two layers is fine
+        sfi.set_selection(good)
+        assert sfi.view_valid
+        # a failing call leaves the loaded selection alone
+        assert code(bad) == native.ERR_DUPLICATE and sfi.view_valid
+        assert sfi.cell_pos()[:41].tolist() == list(range(40)) + [-1]
+        with pytest.raises(SFIError):
+            sfi.cell_pos(seq=3)
+    finally:
+        c.close()
+
+
+# -- FAST steps ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen2", "tiny_qwen3"])
+def test_all_cells_in_order_is_bit_identical(fixture, request):
+    model = request.getfixturevalue(fixture)
+    out = run_pair(model, 200, 40, lambda sfi, n: all_cells(sfi, n))
+    for la, lb in out:
+        assert np.array_equal(la, lb)
+
+
+def test_all_cells_permuted_256_steps(tiny):
+    """Cells in another order per head: same argmax over 256 steps, logits within tolerance.
+
+    The CPU flash-attention kernel accumulates V*p in F16 (an F32 cache is cast to F16 before it), so a
+    different cell order alone moves the logits of this random model by up to ~2e-3 (swapping only
+    cells 0 and 1 moves them by ~2e-4); CUDA accumulates in F32, where the 1e-3 bound applies.
+    """
+    tol = 1e-3 if NGL > 0 else 5e-3
+    rng = np.random.default_rng(1)
+    out = run_pair(tiny, 300, 256, lambda sfi, n: all_cells(sfi, n, rng), n_tail_max=256)
+    d = max(float(np.abs(la - lb).max()) for la, lb in out)
+    assert d < tol, d
+    assert all(la.argmax() == lb.argmax() for la, lb in out)
+
+
+@pytest.mark.parametrize("sink", [0, 4])
+def test_window_matches_seq_rm(tiny, sink):
+    P, W, steps = 300, 96, 24
+    a = Ctx(tiny)
+    b = Ctx(tiny)
+    try:
+        toks = tokens_for(tiny, P, seed=2)
+        a.decode(toks)
+        b.decode(toks)
+        a.seq_rm(sink, P - W)   # reference: dense attention over sink + the last W cells
+        sfi = SFINative(b.ctx, n_sel_max=128, n_tail_max=64)
+        keep = np.r_[np.arange(sink), np.arange(P - W, P)].astype(np.int32)
+        sfi.set_selection(np.tile(keep, (sfi.n_layers, sfi.n_head_kv, 1)))
+        sfi.set_mode(sfi.FAST)
+        tok = 5
+        for _ in range(steps):
+            a.decode([tok])
+            b.decode([tok])
+            assert sfi.last_fast
+            la, lb = a.logits(), b.logits()
+            assert nmse(lb, la) < 1e-4
+            tok = int(np.argmax(la))
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.skipif(NGL > 0, reason="reads tensors on the host through cb_eval")
+def test_per_head_selection_matches_numpy(tiny):
+    """Different cells per KV head: the FA output of each layer equals numpy attention over those cells."""
+    P, n_sel, steps = 160, 48, 3
+    cap = Capture(["Qcur-", "Kcur-", "Vcur-", "kqv_out-"])
+    c = Ctx(tiny, capture=cap)
+    try:
+        toks = tokens_for(tiny, P, seed=3)
+        c.decode(toks)
+        sfi = SFINative(c.ctx, n_sel_max=64, n_tail_max=8)
+        L, H = sfi.n_layers, sfi.n_head_kv
+        K = {i: cap.last(f"Kcur-{i}")[0] for i in range(L)}  # [T, HKV, D] (numpy order)
+        V = {i: cap.last(f"Vcur-{i}")[0] for i in range(L)}
+        rng = np.random.default_rng(4)
+        sel = np.stack([np.stack([rng.choice(P, n_sel, replace=False) for _ in range(H)]) for _ in range(L)])
+        sfi.set_selection(sel.astype(np.int32))
+        sfi.set_mode(sfi.FAST)
+        n_head = cap.last("Qcur-0")[0].shape[1]
+        G = n_head // H
+        tail = {i: ([], []) for i in range(L)}
+        for step in range(steps):
+            cap.clear()
+            c.decode([7 + step])
+            assert sfi.last_fast
+            for i in range(L):
+                q = cap.last(f"Qcur-{i}")[0][0]            # [n_head, D]
+                tail[i][0].append(cap.last(f"Kcur-{i}")[0][0])
+                tail[i][1].append(cap.last(f"Vcur-{i}")[0][0])
+                got = cap.last(f"kqv_out-{i}")[0][0]       # [n_head*D]
+                D = q.shape[1]
+                ref, dense = [], []
+                for h in range(n_head):
+                    hk = h // G
+                    kk = np.concatenate([K[i][sel[i, hk], hk], np.stack(tail[i][0])[:, hk]])
+                    vv = np.concatenate([V[i][sel[i, hk], hk], np.stack(tail[i][1])[:, hk]])
+                    kk = kk.astype(np.float16).astype(np.float32)
+                    vv = vv.astype(np.float16).astype(np.float32)
+                    s = kk @ q[h] / np.sqrt(D)
+                    p = np.exp(s - s.max()); p /= p.sum()
+                    ref.append(p @ vv)
+                    kd = np.concatenate([K[i][:, hk], np.stack(tail[i][0])[:, hk]]).astype(np.float16).astype(np.float32)
+                    vd = np.concatenate([V[i][:, hk], np.stack(tail[i][1])[:, hk]]).astype(np.float16).astype(np.float32)
+                    s = kd @ q[h] / np.sqrt(D)
+                    p = np.exp(s - s.max()); p /= p.sum()
+                    dense.append(p @ vd)
+                ref = np.concatenate(ref)
+                assert nmse(got, ref) < 1e-5, (i, nmse(got, ref))
+                assert nmse(got, np.concatenate(dense)) > 1e-3  # the selection really changed attention
+    finally:
+        c.close()
+
+
+def test_tail_full_and_invalidation(tiny):
+    P = 120
+    a = Ctx(tiny)
+    b = Ctx(tiny)
+    try:
+        toks = tokens_for(tiny, P, seed=5)
+        a.decode(toks)
+        b.decode(toks)
+        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=4)
+        sfi.set_mode(sfi.FAST)
+
+        holes = False  # after seq_rm + seq_add, new tokens fill holes: the dense cell order differs
+
+        def step(tok, expect_fast):
+            a.decode([tok])
+            b.decode([tok])
+            st = sfi.status()
+            assert bool(st & native.STATUS_LAST_FAST) == expect_fast, st
+            assert bool(st & native.STATUS_FELL_BACK_DENSE) == (not expect_fast), st
+            la, lb = a.logits(), b.logits()
+            if holes:
+                assert np.abs(la - lb).max() < 5e-3 and la.argmax() == lb.argmax()
+            else:
+                assert np.array_equal(la, lb)
+
+        step(9, False)  # no selection yet
+
+        def sel(_n):  # every occupied cell (cell ids differ from positions after seq_rm + seq_add)
+            cells = np.flatnonzero(sfi.cell_pos() >= 0).astype(np.int32)
+            return np.tile(cells, (sfi.n_layers, sfi.n_head_kv, 1))
+
+        sfi.set_selection(sel(b.n_past))
+        for t in range(4):
+            step(10 + t, True)
+        step(20, False)  # tail full (n_tail_max = 4)
+        assert not sfi.view_valid
+
+        for change in ("seq_rm", "clear", "seq_add", "dense", "slow"):
+            sfi.set_selection(sel(b.n_past))
+            step(30, True)
+            assert sfi.view_valid
+            if change == "seq_rm":
+                a.seq_rm(a.n_past - 1, -1); b.seq_rm(b.n_past - 1, -1)
+                a.n_past -= 1; b.n_past -= 1
+            elif change == "clear":
+                for x in (a, b):
+                    llama_cpp.llama_memory_clear(x.mem, True)
+                    x.n_past = 0
+                    x.decode(toks[:60])
+            elif change == "seq_add":
+                for x in (a, b):  # drop 10 cells, shift the rest back (K-shift)
+                    x.seq_rm(4, 14)
+                    llama_cpp.llama_memory_seq_add(x.mem, 0, 14, -1, -10)
+                    x.n_past -= 10
+                holes = True
+            elif change == "dense":
+                sfi.set_mode(sfi.DENSE)
+                a.decode([31]); b.decode([31])
+                sfi.set_mode(sfi.FAST)
+            elif change == "slow":
+                sfi.set_mode(sfi.SLOW)
+                a.decode([32]); b.decode([32])
+                assert np.abs(a.logits() - b.logits()).max() < 5e-3 and sfi.mass_valid
+                sfi.set_mode(sfi.FAST)
+            assert not sfi.view_valid, change
+            try:
+                step(40, False)
+            except AssertionError as e:
+                raise AssertionError(f"after {change}: {e}") from None
+    finally:
+        a.close()
+        b.close()
+
+
+def test_multi_token_fast_decode(tiny):
+    """A FAST batch of several tokens is causal inside the tail."""
+    P = 100
+    a = Ctx(tiny)
+    b = Ctx(tiny)
+    try:
+        toks = tokens_for(tiny, P + 6, seed=6)
+        a.decode(toks[:P]); b.decode(toks[:P])
+        sfi = SFINative(b.ctx, n_sel_max=128, n_tail_max=16)
+        sfi.set_selection(all_cells(sfi, P))
+        sfi.set_mode(sfi.FAST)
+        a.decode(toks[P:], all_logits=True)
+        b.decode(toks[P:], all_logits=True)
+        assert sfi.last_fast
+        for i in range(6):
+            assert np.array_equal(a.logits(i), b.logits(i))
+    finally:
+        a.close()
+        b.close()
+
+
+# -- SLOW steps ------------------------------------------------------------------------------------
+
+@pytest.mark.skipif(NGL > 0, reason="reads tensors on the host through cb_eval")
+@pytest.mark.parametrize("rows", [1, 4])
+def test_mass_matches_softmax(tiny, rows):
+    P = 150
+    cap = Capture(["kq_soft_max-", "Kcur-"])
+    ref = Ctx(tiny, flash_attn=False, capture=cap)
+    c = Ctx(tiny)
+    d = Ctx(tiny)
+    try:
+        toks = tokens_for(tiny, P + rows, seed=7)
+        for x in (ref, c, d):
+            x.decode(toks[:P])
+        keys = {i: [cap.last(f"Kcur-{i}")[0]] for i in range(2)}
+        sfi = SFINative(c.ctx, n_query_rows=rows, evidence_alpha=0.5)
+        sfi.set_mode(sfi.SLOW)
+        cap.clear()
+        for x in (ref, c, d):
+            x.decode(toks[P:])
+        assert sfi.mass_valid and sfi.n_query_rows() == rows
+        assert np.array_equal(c.logits(), d.logits())  # a slow step is an exact dense step
+        mass, evid, norms = sfi.mass(), sfi.evidence(), sfi.key_norms()
+        L, H, n_cells = mass.shape
+        assert evid.shape == mass.shape == norms.shape
+        for i in range(L):
+            p = cap.last(f"kq_soft_max-{i}")[0]     # [n_head, T, n_kv]
+            n_head = p.shape[0]
+            G = n_head // H
+            p = p[:, -rows:, :]
+            assert p.shape[-1] == n_cells
+            want = p.reshape(H, G * rows, n_cells).sum(1)
+            # the export multiplies F16 K by F16-rounded q, like the reference's mul_mat; the reference
+            # context runs attention without FA, so layers > 0 see slightly different hidden states
+            np.testing.assert_allclose(mass[i], want, rtol=3e-3, atol=2e-4)
+            np.testing.assert_allclose(mass[i].sum(-1), rows * G, rtol=1e-4)
+            np.testing.assert_allclose(evid[i], np.sqrt(p).reshape(H, G * rows, n_cells).sum(1), rtol=3e-3, atol=2e-3)
+            assert np.all(mass[i][:, P + rows:] == 0)  # unused cells get exactly 0
+            k = np.concatenate(keys[i] + [cap.last(f"Kcur-{i}")[0]])  # [P+rows, HKV, D]
+            kn = np.linalg.norm(k.astype(np.float16).astype(np.float32), axis=-1).T
+            np.testing.assert_allclose(norms[i][:, :P + rows], kn, rtol=1e-3, atol=1e-4)
+        # after a following non-slow decode the export is gone
+        sfi.set_mode(sfi.DENSE)
+        c.decode([3])
+        assert sfi.mass() is None and not sfi.mass_valid
+    finally:
+        for x in (ref, c, d):
+            x.close()
+
+
+def test_slow_then_fast_cycle(tiny):
+    """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected."""
+    P = 130
+    a = Ctx(tiny)
+    b = Ctx(tiny)
+    try:
+        toks = tokens_for(tiny, P, seed=8)
+        a.decode(toks); b.decode(toks)
+        sfi = SFINative(b.ctx, n_sel_max=512, n_tail_max=32, n_query_rows=1)
+        tok = 11
+        for cycle in range(3):
+            sfi.set_mode(sfi.SLOW)
+            a.decode([tok]); b.decode([tok])
+            la, lb = a.logits(), b.logits()
+            if cycle == 0:
+                assert np.array_equal(la, lb)
+            else:  # the cache holds tokens of fast steps over reordered cells
+                assert np.abs(la - lb).max() < 5e-3 and la.argmax() == lb.argmax()
+            mass = sfi.mass()
+            pos = sfi.cell_pos()
+            valid = np.flatnonzero(pos >= 0)
+            assert mass.shape[2] >= len(valid)
+            assert np.all(mass[:, :, pos[:mass.shape[2]] < 0] == 0)
+            # order cells by mass, per head: all of them, so the result stays exact
+            order = np.argsort(-mass[:, :, valid], axis=-1, kind="stable")
+            sfi.set_selection(valid[order].astype(np.int32))
+            sfi.set_mode(sfi.FAST)
+            for _ in range(8):
+                tok = int(np.argmax(a.logits()))
+                a.decode([tok]); b.decode([tok])
+                assert sfi.last_fast
+                la, lb = a.logits(), b.logits()
+                assert np.abs(la - lb).max() < 5e-3 and la.argmax() == lb.argmax()  # F16 V, cells reordered
+            tok = int(np.argmax(a.logits()))
+    finally:
+        a.close()
+        b.close()
+
+
+# -- other models and cache types -----------------------------------------------------------------
+
+def test_gemma3_iswa_global_layers(tiny_gemma3):
+    c = Ctx(tiny_gemma3)
+    try:
+        sfi = SFINative(c.ctx)
+        assert [l.il for l in sfi.layers] == [5]  # pattern 6: only the last layer is global
+    finally:
+        c.close()
+    out = run_pair(tiny_gemma3, 200, 30, lambda sfi, n: all_cells(sfi, n))
+    for la, lb in out:
+        assert np.array_equal(la, lb)
+    # slow export on the global layer
+    c = Ctx(tiny_gemma3)
+    try:
+        c.decode(tokens_for(tiny_gemma3, 90))
+        sfi = SFINative(c.ctx, n_query_rows=2)
+        sfi.set_mode(sfi.SLOW)
+        c.decode([5, 6])
+        m = sfi.mass()
+        assert m.shape[:2] == (1, 2)
+        np.testing.assert_allclose(m.sum(-1), 2 * 2, rtol=1e-4)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen3"])  # head_dim 32: plain; 64: Hadamard-rotated
+def test_q8_0_cache(fixture, request):
+    model = request.getfixturevalue(fixture)
+    out = run_pair(model, 200, 30, lambda sfi, n: all_cells(sfi, n), type_kv=GGML_TYPE_Q8_0)
+    for la, lb in out:
+        assert np.array_equal(la, lb)
+    rng = np.random.default_rng(9)
+    out = run_pair(model, 200, 30, lambda sfi, n: all_cells(sfi, n, rng), type_kv=GGML_TYPE_Q8_0)
+    for la, lb in out:
+        assert np.abs(la - lb).max() < 1e-3 and la.argmax() == lb.argmax()
+
+
+# -- the real default model ------------------------------------------------------------------------
+
+@pytest.mark.real_model
+def test_real_model_all_cells_equals_dense(real):
+    out = run_pair(real, 160, 32, lambda sfi, n: all_cells(sfi, n))
+    for la, lb in out:
+        assert np.array_equal(la, lb)
+
+
+@pytest.mark.real_model
+def test_real_model_q8_0_and_slow(real):
+    out = run_pair(real, 160, 16, lambda sfi, n: all_cells(sfi, n), type_kv=GGML_TYPE_Q8_0)
+    for la, lb in out:
+        assert np.array_equal(la, lb)
+    c = Ctx(real)
+    try:
+        c.decode(tokens_for(real, 100))
+        sfi = SFINative(c.ctx, n_query_rows=4)
+        assert sfi.n_layers == 24 and sfi.n_head_kv == 2
+        sfi.set_mode(sfi.SLOW)
+        c.decode([100, 200, 300, 400])
+        m = sfi.mass()
+        np.testing.assert_allclose(m.sum(-1), 4 * 7, rtol=1e-4)
+        assert np.all(sfi.key_norms()[:, :, :104] > 0)
+    finally:
+        c.close()
+
+
+@pytest.mark.real_model
+def test_real_gemma3_global_layers_all_cells_equal_dense():
+    from sfi_gguf import ensure_model
+
+    m = Model(ensure_model("gemma3-270m"))
+    try:
+        out = run_pair(m, 160, 16, lambda sfi, n: all_cells(sfi, n))
+        for la, lb in out:
+            assert np.array_equal(la, lb)
+    finally:
+        m.close()

@@ -1,0 +1,95 @@
+"""SFI decoding end to end on the real default model (CPU).
+
+One model and one long natural-text prompt are shared by the tests: the KV cache of the prompt is
+reused between them (prefix reuse), so the ~3.7K-token prefill is paid once.
+"""
+import pytest
+
+from sfi_gguf import SFILlama
+from sfi_gguf.agreement import compare_with_dense
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.texts import natural_text
+
+pytestmark = pytest.mark.real_model
+
+N_CTX = 4096
+PROMPT_TOKENS = 3700
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = SFILlama(None, n_ctx=N_CTX, n_threads=2, sfi=SFIConfig(k_head=512))
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(llm):
+    return llm.tokenize(natural_text(16000, seed=1))[:PROMPT_TOKENS]
+
+
+def _generate(llm, prompt, config, n=48):
+    llm.sfi_config = config
+    return llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_budget_covering_the_whole_context_equals_dense(llm, prompt):
+    """Fast steps over every cell, in cell order, are bit-identical to dense steps on the CPU."""
+    short = prompt[:1200]  # both runs prefill from scratch, so the cache content is bit-identical
+    llm.reset()
+    sfi = _generate(llm, short, SFIConfig(k_head=N_CTX, min_context=0), n=64)
+    llm.reset()
+    dense = _generate(llm, short, SFIConfig(policy="dense"), n=64)
+    assert sfi.tokens == dense.tokens
+    s = sfi.stats.sfi
+    assert s.n_bootstrap == 1 and s.n_fast > 0 and s.n_fell_back == 0
+
+
+def test_statistics_add_up(llm, prompt):
+    out = _generate(llm, prompt, SFIConfig(k_head=512), n=96)
+    s = out.stats.sfi
+    steps = out.stats.n_generated - 1  # the first token comes from the prefill's logits
+    assert s.n_fast + s.n_slow + s.n_dense == steps
+    assert s.n_dense == 0 and s.n_bootstrap == 1 and s.n_fell_back == 0
+    assert len(s.slow_steps) == s.n_slow == sum(s.reasons.values())
+    assert len(s.refresh_overlap) == s.n_slow and all(0.0 <= x <= 1.0 for x in s.refresh_overlap)
+    assert s.k_head == 512 and s.budget == 4 + 512 + 256
+    assert s.t_fast > 0 and s.t_slow > 0 and s.t_selector > 0
+    # min gap 16 and T_max 64 bound the distance between consecutive slow steps
+    gaps = [b - a for a, b in zip([0] + s.slow_steps, s.slow_steps)]
+    assert all(16 <= g <= 64 for g in gaps[1:])
+
+
+def test_policies_by_name(llm, prompt):
+    fixed = _generate(llm, prompt, SFIConfig(k_head=512, policy="fixed", fixed_period=20), n=64).stats.sfi
+    assert fixed.slow_steps == [20, 40, 60] and fixed.reasons == {"period": 3}
+    static = _generate(llm, prompt, SFIConfig(k_head=512, policy="static"), n=64).stats.sfi
+    assert static.n_bootstrap == 1 and static.n_slow == 0 and static.n_fast == 63
+    sink = _generate(llm, prompt, SFIConfig(k_head=512, policy="sink_recent"), n=64).stats.sfi
+    assert sink.n_bootstrap == 0 and sink.n_slow == 0 and sink.n_fast == 63
+    dense = _generate(llm, prompt, SFIConfig(policy="dense"), n=8)
+    assert dense.stats.mode == "dense" and dense.stats.sfi is None
+
+
+def test_short_context_stays_dense(llm):
+    out = _generate(llm, "Caches keep recently used data close to the processor.", SFIConfig(k_head=512), n=8)
+    s = out.stats.sfi
+    assert s.n_dense == 7 and s.n_fast == 0 and s.n_bootstrap == 0
+
+
+def test_multi_turn_reuses_the_cache_and_reselects(llm, prompt):
+    first = _generate(llm, prompt, SFIConfig(k_head=512), n=16)
+    follow_up = prompt + first.tokens + llm.tokenize(" In short,", add_special=False)
+    second = _generate(llm, follow_up, SFIConfig(k_head=512), n=16)
+    assert second.stats.n_prompt_decoded < 64  # only the new input (and the bootstrap rows) were decoded
+    assert second.stats.sfi.n_bootstrap == 1 and second.stats.sfi.n_fast > 0
+
+
+def test_greedy_agreement_with_dense_at_4k_context(llm, prompt):
+    """Teacher-forced: at every step of a 256-token dense continuation, same argmax as dense."""
+    llm.sfi_config = SFIConfig(k_head=512)
+    result = compare_with_dense(llm, prompt, n_steps=256)
+    print(f"top-1 agreement {result.top1_rate:.3f}, mean KL {result.mean_kl:.4f}, "
+          f"slow steps {result.sfi_stats.n_slow}")
+    assert result.top1_rate >= 0.90
+    assert result.mean_kl < 0.05
