@@ -20,20 +20,26 @@ if [[ " $stages " == *" build "* ]]; then
         bash scripts/setup.sh 2>&1 | tail -5 || exit 1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
+model() {  # random-weight model of a named shape carrying the default model's tokenizer (.gpu/vocab.gguf)
+    python3 -m sfi_gguf.random_model "$1" --weight-type "$2" --vocab-source "$PWD/.gpu/vocab.gguf" | tail -1
+}
 if [[ " $stages " == *" tests "* ]]; then
-    log "tests on the GPU"
+    log "native tests on the GPU"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_native.py \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -15
 fi
 if [[ " $stages " == *" overhead "* ]]; then
-    log "dense overhead: SFILlama vs C"
-    python3 -m sfi_gguf.random_model shape qwen3-4b --type f16 --vocab .gpu/vocab.gguf --out "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" &&
-    python3 benchmarks/dense_overhead.py --model "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" -ngl 99 --depth 2048 8192 \
-        --n-decode 128 --repeats 3 --out "$OUT/dense_overhead-h200.json"
+    log "dense overhead: SFILlama vs C (Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    python3 benchmarks/dense_overhead.py --model "$M" -ngl 99 --depth 2048 8192 --n-decode 128 --repeats 3 \
+        --out "$OUT/dense_overhead-h200.json"
 fi
 if [[ " $stages " == *" native "* ]]; then
-    log "native step micro-benchmark"
-    python3 benchmarks/native_step_bench.py --model "$SFI_GGUF_CACHE/qwen3-4b-f16.gguf" -ngl 99 \
-        --depth 32768 131072 --out "$OUT/native_step-h200.json"
+    log "native step micro-benchmark (Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    for ctx in ${SFI_NATIVE_CTX:-32768 131072}; do
+        python3 benchmarks/native_step_bench.py --model "$M" --ngl 99 --ctx "$ctx" --budget 2048 \
+            --json "$OUT/native_step-h200-$ctx.json"
+    done
 fi
 log done

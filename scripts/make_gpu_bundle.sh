@@ -21,5 +21,5 @@ rm -rf "$tmp"
 # llama-cpp-python: Python bindings only (our package provides the library)
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w .gpu/wheels
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0
-"$PY" -m sfi_gguf.random_model vocab --out .gpu/vocab.gguf
+"$PY" -m sfi_gguf.random_model --write-vocab-only .gpu/vocab.gguf
 du -sh .gpu .gpu/*

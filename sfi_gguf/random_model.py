@@ -259,6 +259,25 @@ def random_model(name_or_spec: str | RandomModelSpec = "tiny-llama", **overrides
     return path
 
 
+def write_vocab_only(path: Path, source: Path | None = None) -> Path:
+    """A GGUF holding only another GGUF's tokenizer (a few MB): lets a machine without the default
+    model write random models that tokenize like it (`vocab_source`)."""
+    import gguf
+
+    if source is None:
+        from .models import ensure_model
+        source = Path(ensure_model())
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    _copy_tokenizer(writer, Path(source))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def _main(argv=None) -> None:
     import argparse
 
@@ -266,10 +285,16 @@ def _main(argv=None) -> None:
     ap.add_argument("name", nargs="?", default="tiny-llama", choices=sorted(SHAPES))
     ap.add_argument("--weight-type", default=None, choices=["f32", "f16", "q8_0"])
     ap.add_argument("--vocab", default=None, choices=["bytes", "copy"])
+    ap.add_argument("--vocab-source", default=None, help="GGUF whose tokenizer is copied (default: default model)")
     ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--write-vocab-only", metavar="OUT", default=None,
+                    help="instead: write a tokenizer-only GGUF of --vocab-source (or the default model) to OUT")
     args = ap.parse_args(argv)
+    if args.write_vocab_only:
+        print(write_vocab_only(Path(args.write_vocab_only), args.vocab_source and Path(args.vocab_source)))
+        return
     overrides = {k: v for k, v in (("weight_type", args.weight_type), ("vocab", args.vocab),
-                                   ("seed", args.seed)) if v is not None}
+                                   ("vocab_source", args.vocab_source), ("seed", args.seed)) if v is not None}
     print(random_model(args.name, **overrides))
 
 
