@@ -17,7 +17,8 @@ if [[ " $stages " == *" build "* ]]; then
     log "build (CUDA sm_90)"
     export CMAKE_BUILD_PARALLEL_LEVEL=$(nproc)
     SFI_LLAMA_CPP_SOURCE=$PWD/.gpu/llama.cpp CMAKE_ARGS="-DGGML_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 ${CMAKE_ARGS:-}" \
-        bash scripts/setup.sh 2>&1 | tail -5 || exit 1
+        SFI_PIP_QUIET=-v bash scripts/setup.sh > "$OUT/build.log" 2>&1 || { grep -n -i -B2 -A12 "error" "$OUT/build.log" | head -80; exit 1; }
+    tail -3 "$OUT/build.log"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
 model() {  # random-weight model of a named shape carrying the default model's tokenizer (.gpu/vocab.gguf)
