@@ -91,7 +91,12 @@ def extract_sdist(sdist: Path, dest: Path) -> None:
 
 
 def copy_tree(source: Path, dest: Path) -> None:
-    ignore = shutil.ignore_patterns(".git", "models", "docs", "media", "benches")
+    top_level_skip = {d.rstrip("/") for d in SKIP_DIRS if d.count("/") == 1} | {".git"}
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        # only top-level folders (src/models/ holds the model graphs and must stay)
+        return top_level_skip & set(names) if Path(directory) == source else set()
+
     shutil.copytree(source, dest, ignore=ignore, dirs_exist_ok=True)
 
 
