@@ -104,9 +104,14 @@ def apply_patches(tree: Path) -> None:
     for patch in patches():
         cmd = ["git", "apply", "-p1", "--whitespace=nowarn", str(patch)] if shutil.which("git") \
             else ["patch", "-p1", "-s", "-i", str(patch)]
-        result = subprocess.run(cmd, cwd=tree, capture_output=True, text=True)
+        # inside another git work tree (e.g. a build dir under a checkout) `git apply` would resolve paths
+        # against that repository and silently skip them: stop git's repository discovery at the tree
+        env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(tree.resolve().parent))
+        result = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
         if result.returncode != 0:
             raise SystemExit(f"sfi-gguf: patch {patch.name} does not apply:\n{result.stderr}")
+    if patches() and not (tree / "src" / "llama-sfi.cpp").exists():
+        raise SystemExit("sfi-gguf: the patches did not take effect (src/llama-sfi.cpp missing)")
 
 
 def prepare(dest: Path, source: Path | None) -> None:
