@@ -72,6 +72,7 @@ def patches() -> list[Path]:
 
 def stamp_for(source_id: str) -> str:
     digest = hashlib.sha256(source_id.encode())
+    digest.update(Path(__file__).read_bytes())  # a change of this recipe re-prepares the tree
     for patch in patches():
         digest.update(patch.name.encode())
         digest.update(patch.read_bytes())
