@@ -81,7 +81,8 @@ def main() -> None:
     rows = []
     for depth in args.depth:
         n_ctx = depth + args.n_decode + 64
-        llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads, n_batch=512)
+        llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads, n_batch=512,
+                       sfi=False)
         c_best, py_best = 0.0, 0.0
         for _ in range(args.repeats):
             c_best = max(c_best, c_decode(model, depth, args.n_decode, n_ctx, args.n_gpu_layers, args.threads))
