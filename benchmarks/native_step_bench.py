@@ -32,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sfi_gguf._native import llama_cpp  # noqa: E402  (loads the patched library)
+from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative, STATUS_LAST_FAST  # noqa: E402
 from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
 
@@ -43,64 +44,37 @@ def summarize(times: list[float]) -> dict:
 
 
 class Bench:
+    """One context (sfi_gguf's LlamaContext) filled with random tokens; times single-token steps."""
+
     def __init__(self, args):
         path = Path(args.model) if Path(args.model).suffix == ".gguf" else random_model(args.model)
         self.path = path
-        llama_cpp.llama_backend_init()
-        mp = llama_cpp.llama_model_default_params()
-        mp.n_gpu_layers = args.ngl
-        self.model = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
-        if not self.model:
-            raise SystemExit(f"cannot load {path}")
-        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = args.ctx + args.steps + 2 * args.warmup + 64
-        cp.n_batch = args.batch
-        cp.n_ubatch = min(args.batch, 512)
-        cp.n_seq_max = 1
-        threads = args.threads or os.cpu_count() or 1
-        cp.n_threads = threads
-        cp.n_threads_batch = threads
-        cp.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        cp.type_k = cp.type_v = {"f16": 1, "q8_0": 8}[args.kv_type]
-        self.ctx = llama_cpp.llama_init_from_model(self.model, cp)
-        if not self.ctx:
-            raise SystemExit("cannot create the context")
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(args.batch, 0, 1)
-        self.n_past = 0
+        self.lc = LlamaContext(path, n_ctx=args.ctx + args.steps + 2 * args.warmup + 64, n_gpu_layers=args.ngl,
+                               n_threads=args.threads or None, n_batch=args.batch, flash_attn=True, verbose=False,
+                               type_kv=args.kv_type)
+        self.ctx = self.lc.ctx
+        self.n_vocab = self.lc.n_vocab
         self.rng = np.random.default_rng(0)
 
-    def decode(self, tokens) -> None:
-        b = self.batch
-        b.n_tokens = len(tokens)
-        for i, t in enumerate(tokens):
-            b.token[i] = int(t)
-            b.pos[i] = self.n_past + i
-            b.n_seq_id[i] = 1
-            b.seq_id[i][0] = 0
-            b.logits[i] = i == len(tokens) - 1
-        rc = llama_cpp.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise SystemExit(f"llama_decode failed: {rc}")
-        self.n_past += len(tokens)
+    @property
+    def n_past(self) -> int:
+        return len(self.lc.tokens)
 
     def step(self) -> float:
         tok = int(self.rng.integers(10, min(self.n_vocab, 30000)))
         t0 = time.perf_counter()
-        self.decode([tok])
+        self.lc.decode_one(tok)
         llama_cpp.llama_get_logits_ith(self.ctx, -1)  # waits for the device
         return time.perf_counter() - t0
 
     def truncate(self, n: int) -> None:
-        llama_cpp.llama_memory_seq_rm(self.mem, 0, n, -1)
-        self.n_past = n
+        self.lc.truncate(n)
 
     def fill(self, n: int, batch: int) -> float:
         t0 = time.perf_counter()
         while self.n_past < n:
             k = min(batch, n - self.n_past)
-            self.decode(self.rng.integers(10, min(self.n_vocab, 30000), k))
+            self.lc.decode([int(t) for t in self.rng.integers(10, min(self.n_vocab, 30000), k)])
         llama_cpp.llama_synchronize(self.ctx)
         return time.perf_counter() - t0
 
@@ -212,9 +186,7 @@ def main(argv=None) -> dict:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
     sfi.free()
-    llama_cpp.llama_batch_free(b.batch)
-    llama_cpp.llama_free(b.ctx)
-    llama_cpp.llama_model_free(b.model)
+    b.lc.close()
     return out
 
 

@@ -29,8 +29,10 @@ class LlamaContext:
     the cache go through `truncate` so this list never lies.
     """
 
+    KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30, "f32": 0}
+
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
-                 n_batch: int, flash_attn: bool, verbose: bool):
+                 n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16"):
         llama_cpp._logger.set_verbose(verbose)
         llama_cpp.llama_backend_init()
         self.model = None
@@ -60,6 +62,10 @@ class LlamaContext:
         cparams.n_seq_max = 1
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
+        if type_kv not in self.KV_TYPES:
+            self.close()
+            raise ValueError(f"type_kv must be one of {', '.join(self.KV_TYPES)}, got {type_kv!r}")
+        cparams.type_k = cparams.type_v = self.KV_TYPES[type_kv]
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         ctx = llama_cpp.llama_init_from_model(model, cparams)

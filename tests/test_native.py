@@ -83,6 +83,7 @@ class Capture:
 
 class Model:
     def __init__(self, path, n_gpu_layers=NGL):
+        llama_cpp._logger.set_verbose(False)
         llama_cpp.llama_backend_init()
         mp = llama_cpp.llama_model_default_params()
         mp.n_gpu_layers = n_gpu_layers
