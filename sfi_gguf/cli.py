@@ -13,8 +13,47 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--n-ctx", type=int, default=4096, help="context size in tokens (0 = model's maximum)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1 = all)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--no-flash-attn", action="store_true", help="disable flash attention")
+    p.add_argument("--no-flash-attn", action="store_true", help="disable flash attention (implies --dense)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def _add_sfi_args(p: argparse.ArgumentParser) -> None:
+    from .policy import POLICIES
+    from .selector import SELECTORS
+
+    g = p.add_argument_group("Slow-Fast Inference (on by default)")
+    g.add_argument("--dense", action="store_true", help="plain dense decoding (full KV cache every step)")
+    g.add_argument("--policy", choices=list(POLICIES), default="punctuation",
+                   help="when a step is slow: " + " | ".join(f"{n}: {c.summary().rstrip('.')}" for n, c in POLICIES.items()))
+    g.add_argument("--selector", choices=list(SELECTORS), default="sfi", help="how the sparse memory is chosen")
+    g.add_argument("--k-head", type=int, default=None,
+                   help="selected cells per layer and KV head (default: a quarter of the context, at most 2048)")
+    g.add_argument("--n-sink", type=int, default=4)
+    g.add_argument("--n-recent", type=int, default=256)
+    g.add_argument("--refresh-interval", type=int, default=64, help="T_max: a slow step at least this often")
+
+
+def _sfi_from_args(args: argparse.Namespace):
+    from .config import SFIConfig
+
+    if args.dense or args.no_flash_attn:
+        return False
+    return SFIConfig(policy=args.policy, selector=args.selector, k_head=args.k_head, n_sink=args.n_sink,
+                     n_recent=args.n_recent, refresh_interval=args.refresh_interval)
+
+
+def format_sfi_stats(s) -> str:
+    """One block of text for an SFIStats (CLI --stats and `run`)."""
+    steps = s.n_fast + s.n_slow + s.n_dense
+    lines = [f"SFI: policy {s.policy}, selector {s.selector}, k_head {s.k_head}, memory {s.budget} cells/head "
+             f"after a refresh",
+             f"  steps: {s.n_fast} fast, {s.n_slow} slow (+{s.n_bootstrap} bootstrap), {s.n_dense} dense"
+             + (f", {s.n_fell_back} fell back to dense" if s.n_fell_back else "")
+             + (f", {s.n_cheap_refresh} recent-window refreshes" if s.n_cheap_refresh else ""),
+             f"  slow-step reasons: {s.reasons or '-'}; mean refresh overlap {s.mean_overlap:.2f}",
+             f"  time: fast {s.t_fast:.2f} s, slow {s.t_slow:.2f} s, selector {s.t_selector:.2f} s, "
+             f"dense {s.t_dense:.2f} s ({steps} steps)"]
+    return "\n".join(lines)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -27,7 +66,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("sfi-gguf run: give a prompt or --file", file=sys.stderr)
         return 2
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                   flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=True)
+                   flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=True, sfi=_sfi_from_args(args))
     chat = not args.raw and llm.context.chat_template() is not None
     request = [{"role": "user", "content": prompt}] if chat else prompt
     for piece in llm.generate(request, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -40,6 +79,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     print(f"[{s.mode}] {s.n_generated} tokens, {s.decode_tok_s:.1f} tok/s decode, prompt {s.n_prompt} tokens "
           f"in {s.prefill_s:.2f} s, context {s.n_ctx_end}/{llm.n_ctx}, finish: {s.finish_reason}",
           file=sys.stderr)
+    if s.sfi is not None:
+        print(format_sfi_stats(s.sfi), file=sys.stderr)
     return 0
 
 
@@ -63,7 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="sfi-gguf", description="Slow-Fast Inference for GGUF models on llama.cpp")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="generate a continuation of a prompt, streamed to stdout")
+    run = sub.add_parser("run", help="generate a continuation of a prompt, streamed to stdout (SFI on)",
+                         description="Generate with Slow-Fast Inference (SFI): most steps attend to a small "
+                                     "selected memory, a few (at sentence starts) to the whole context. "
+                                     "Contexts shorter than sink + k_head + recent decode densely.")
     run.add_argument("prompt", nargs="?", default="", help="the prompt (chat-formatted if the model has a template)")
     run.add_argument("-f", "--file", help="read (the start of) the prompt from a file, e.g. a long document")
     run.add_argument("-n", "--max-tokens", type=int, default=256)
@@ -74,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", help="stop string (repeatable)")
     run.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_model_args(run)
+    _add_sfi_args(run)
     run.set_defaults(func=_cmd_run)
 
     model = sub.add_parser("model", help="fetch, assemble and verify a known model; print its path")

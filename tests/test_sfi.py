@@ -93,3 +93,20 @@ def test_greedy_agreement_with_dense_at_4k_context(llm, prompt):
           f"slow steps {result.sfi_stats.n_slow}")
     assert result.top1_rate >= 0.90
     assert result.mean_kl < 0.05
+
+
+def test_cli_run_uses_sfi_and_prints_statistics(tmp_path):
+    import subprocess
+    import sys
+
+    doc = tmp_path / "doc.txt"
+    doc.write_text(natural_text(7000, seed=2))
+    cmd = [sys.executable, "-m", "sfi_gguf.cli", "run", "-f", str(doc), "Summarize the text above.", "-n", "24",
+           "-c", "2560", "-t", "2", "--seed", "1", "--k-head", "512"]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr
+    assert "SFI: policy punctuation" in result.stderr and "fast" in result.stderr and "tok/s" in result.stderr
+    dense = subprocess.run(cmd + ["--dense"], capture_output=True, text=True, timeout=900)
+    assert dense.returncode == 0 and "[dense]" in dense.stderr and "SFI:" not in dense.stderr
+    bad = subprocess.run(cmd[:4] + ["hi", "--k-head", "-5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "k_head" in bad.stderr and "Traceback" not in bad.stderr
