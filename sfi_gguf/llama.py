@@ -133,13 +133,14 @@ class SFILlama:
     # -- generation -----------------------------------------------------------------------------
     def _stepper(self, config: SFIConfig | None = None):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept)."""
+        from .native import SFINative
+
         config = config or self.sfi_config
         if config.policy == "dense":
             if self._sfi_native is not None:
-                self._sfi_native.set_mode(0)  # plain dense decodes from now on
+                self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
             return DenseStepper(self._ctx)
         from .boundary import PieceTable
-        from .native import SFINative
         from .policy import make_policy
         from .selector import make_selector
         from .sfi import SFIStepper
