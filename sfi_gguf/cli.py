@@ -45,6 +45,9 @@ def _sfi_from_args(args: argparse.Namespace):
 def format_sfi_stats(s) -> str:
     """One block of text for an SFIStats (CLI --stats and `run`)."""
     steps = s.n_fast + s.n_slow + s.n_dense
+    if not s.k_head and not s.n_fast:
+        return (f"SFI: policy {s.policy}: the context stayed below sink + k_head + recent, "
+                f"all {steps} steps dense ({s.t_dense:.2f} s)")
     lines = [f"SFI: policy {s.policy}, selector {s.selector}, k_head {s.k_head}, memory {s.budget} cells/head "
              f"after a refresh",
              f"  steps: {s.n_fast} fast, {s.n_slow} slow (+{s.n_bootstrap} bootstrap), {s.n_dense} dense"
