@@ -7,12 +7,10 @@ top-`top_n` tokens plus the remaining mass as one bucket, so nothing of vocabula
 """
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import numpy as np
 
-from ._native import llama_cpp
 from .config import SFIConfig
 
 
@@ -38,11 +36,6 @@ class Agreement:
                  "kl": float(self.kl[s:s + window].mean())} for s in range(0, self.n_steps, window)]
 
 
-def _logits(ctx) -> np.ndarray:
-    ptr = llama_cpp.llama_get_logits_ith(ctx.ctx, -1)
-    return np.ctypeslib.as_array(ctypes.cast(ptr, ctypes.POINTER(ctypes.c_float)), shape=(ctx.n_vocab,))
-
-
 def _log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max()
@@ -54,7 +47,7 @@ def _forced_run(stepper, ctx, prompt: list[int], forced: list[int] | None, n_ste
     stepper.prefill(prompt)
     tokens = []
     for i in range(n_steps):
-        logits = _logits(ctx)
+        logits = ctx.last_logits()
         visit(i, logits)
         token = forced[i] if forced is not None else int(np.argmax(logits))
         tokens.append(token)

@@ -10,6 +10,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
+import numpy as np
+
 from ._native import llama_cpp
 from ._progress import Progress
 
@@ -131,6 +133,11 @@ class LlamaContext:
 
     def detokenize(self, tokens: Sequence[int], special: bool = False) -> str:
         return b"".join(self.token_bytes(t, special) for t in tokens).decode("utf-8", errors="replace")
+
+    def last_logits(self) -> np.ndarray:
+        """Logits of the last decoded token: a zero-copy float32 view, valid until the next decode."""
+        ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, -1), ctypes.POINTER(ctypes.c_float))
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def is_eog(self, token: int) -> bool:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))

@@ -117,7 +117,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
                 if len(ctx.tokens) >= ctx.n_ctx:
                     break
                 stepper.step(out_tokens[-1])
-            token = sampler.sample(ctx.ctx)
+            token = sampler.sample(ctx)
             out_tokens.append(token)
             stats.n_generated += 1
             if not ignore_eos and ctx.is_eog(token):

@@ -182,7 +182,7 @@ class SFILlama:
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
-        sampler = Sampler(params, self._ctx.n_vocab)
+        sampler = Sampler(params)
         stepper = self._stepper()
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,

@@ -4,13 +4,16 @@ Sampling happens in C on the context's logits: no per-token copy of the vocabula
 """
 from __future__ import annotations
 
-import ctypes
 import random
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ._native import llama_cpp
+
+if TYPE_CHECKING:
+    from .context import LlamaContext
 
 
 @dataclass(frozen=True)
@@ -41,11 +44,11 @@ class SamplingParams:
 class Sampler:
     """Owns one llama_sampler chain; `sample` picks the next token from the last decode's logits."""
 
-    def __init__(self, params: SamplingParams, n_vocab: int = 0):
+    def __init__(self, params: SamplingParams):
         params.validate()
         # plain greedy reads the logits in place (an argmax over a zero-copy view): llama_sampler_sample
         # would first build a candidate array of the whole vocabulary, ~0.2 ms per token
-        self._argmax_vocab = n_vocab if params.temperature <= 0.0 and params.repeat_penalty == 1.0 else 0
+        self._plain_greedy = params.temperature <= 0.0 and params.repeat_penalty == 1.0
         self.params = params
         self.seed = params.seed if params.seed is not None else random.randrange(2**32 - 1)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
@@ -64,14 +67,13 @@ class Sampler:
             add(llama_cpp.llama_sampler_init_dist(self.seed))
         self._chain = chain
 
-    def sample(self, ctx) -> int:
+    def sample(self, ctx: "LlamaContext") -> int:
         """Sample from the logits of the last token of the last decode (and accept it)."""
-        if self._argmax_vocab:
-            ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(ctx, -1), ctypes.POINTER(ctypes.c_float))
-            token = int(np.argmax(np.ctypeslib.as_array(ptr, shape=(self._argmax_vocab,))))
+        if self._plain_greedy:
+            token = int(np.argmax(ctx.last_logits()))
             llama_cpp.llama_sampler_accept(self._chain, token)
             return token
-        return llama_cpp.llama_sampler_sample(self._chain, ctx, -1)
+        return llama_cpp.llama_sampler_sample(self._chain, ctx.ctx, -1)
 
     def close(self) -> None:
         if self._chain:

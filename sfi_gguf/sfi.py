@@ -94,7 +94,7 @@ class SFIStepper:
             return self.ctx.prefill(tokens, progress=progress)
         if self.policy.memory is MemoryMode.SINK_RECENT:
             decoded = self.ctx.prefill(tokens, progress=progress)
-            self._load_memory(np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32))
+            self._load_memory(self._no_selection())
             return decoded
         # the final chunk of the prefill is the bootstrap slow step: its last (up to
         # n_prefill_queries) tokens are the query rows of the export
@@ -112,7 +112,7 @@ class SFIStepper:
             if self._wants_sparse(n_after):  # the context just grew past the threshold
                 slow = self.policy.memory is not MemoryMode.SINK_RECENT
                 if not slow:
-                    self._load_memory(np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32))
+                    self._load_memory(self._no_selection())
             else:
                 self._timed_decode(token, "t_dense")
                 self.stats.n_dense += 1
@@ -183,9 +183,7 @@ class SFIStepper:
     def _cheap_refresh(self) -> None:
         """Same selected cells, recent window moved to now: no slow step (tail would overflow)."""
         self.stats.n_cheap_refresh += 1
-        selected = self._selected if self._selected is not None else \
-            np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32)
-        self._load_memory(selected)
+        self._load_memory(self._selected if self._selected is not None else self._no_selection())
 
     def _load_memory(self, selected: np.ndarray, positions: np.ndarray | None = None,
                      candidates: CandidateRange | None = None) -> None:
@@ -200,6 +198,10 @@ class SFIStepper:
         self.native.set_mode(SFINative.FAST)
         self._sparse = True
         self._tail = 0
+
+    def _no_selection(self) -> np.ndarray:
+        """An empty Selector output [L, H, 0]: the memory is then sink + recent only."""
+        return np.zeros((self.native.n_layers, self.native.n_head_kv, 0), np.int32)
 
     def _group_size(self) -> int:
         return self.ctx.n_head // max(1, self.native.n_head_kv)
