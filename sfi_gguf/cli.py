@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 
@@ -28,8 +29,9 @@ def _add_sfi_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--selector", choices=list(SELECTORS), default="sfi", help="how the sparse memory is chosen")
     g.add_argument("--k-head", type=int, default=None,
                    help="selected cells per layer and KV head (default: a quarter of the context, at most 2048)")
-    g.add_argument("--n-sink", type=int, default=4)
-    g.add_argument("--n-recent", type=int, default=256)
+    g.add_argument("--n-sink", type=int, default=4, help="first cells of the context, always attended (default 4)")
+    g.add_argument("--n-recent", type=int, default=256, help="last cells of the context, always attended "
+                                                               "(default 256)")
     g.add_argument("--refresh-interval", type=int, default=64, help="T_max: a slow step at least this often")
 
 
@@ -87,6 +89,29 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _llm_from_args(args: argparse.Namespace, progress: bool = False):
+    from .llama import SFILlama
+
+    return SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                    flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=progress,
+                    sfi=_sfi_from_args(args))
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from .chat import chat_loop
+
+    llm = _llm_from_args(args)
+    return chat_loop(llm, system=args.system, max_tokens=args.max_tokens, stats=args.stats,
+                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from .server import serve
+
+    serve(_llm_from_args(args), host=args.host, port=args.port, model_name=args.alias, verbose=args.verbose)
+    return 0
+
+
 def _cmd_model(args: argparse.Namespace) -> int:
     from .models import KNOWN_MODELS, ensure_model
 
@@ -108,13 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="generate a continuation of a prompt, streamed to stdout (SFI on)",
+                         epilog="examples: sfi-gguf run \"Write a haiku about caches\" | "
+                                "sfi-gguf run -f report.txt \"Summarize the text above.\" -c 16384",
                          description="Generate with Slow-Fast Inference (SFI): most steps attend to a small "
                                      "selected memory, a few (at sentence starts) to the whole context. "
                                      "Contexts shorter than sink + k_head + recent decode densely.")
     run.add_argument("prompt", nargs="?", default="", help="the prompt (chat-formatted if the model has a template)")
     run.add_argument("-f", "--file", help="read (the start of) the prompt from a file, e.g. a long document")
-    run.add_argument("-n", "--max-tokens", type=int, default=256)
-    run.add_argument("--temperature", type=float, default=0.8)
+    run.add_argument("-n", "--max-tokens", type=int, default=256, help="how many tokens to generate at most")
+    run.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, always the most likely token")
     run.add_argument("--top-p", type=float, default=0.95)
     run.add_argument("--top-k", type=int, default=40)
     run.add_argument("--seed", type=int, default=None)
@@ -124,6 +151,52 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sfi_args(run)
     run.set_defaults(func=_cmd_run)
 
+    chat = sub.add_parser(
+        "chat", help="talk with the model in the terminal; the conversation is kept (SFI on)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "An interactive chat with the model's chat template. Type a message and press Enter; the answer "
+            "streams back. The history is kept, and each turn only processes the new message (the KV cache of "
+            "the conversation so far is reused). Reads standard input, so piped input works too.", 79),
+        epilog="commands:\n  /reset   forget the conversation (keeps --system)\n"
+               "  /quit    leave (so does end of input, Ctrl-D)\n\n"
+               "examples:\n  sfi-gguf chat --stats\n"
+               "  printf 'Name a prime number.\\n/quit\\n' | sfi-gguf chat -n 32 --temperature 0")
+    chat.add_argument("--system", default=None, help="a system message that starts the conversation")
+    chat.add_argument("-n", "--max-tokens", type=int, default=512, help="longest answer, in tokens (default 512)")
+    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy, always the most likely token")
+    chat.add_argument("--top-p", type=float, default=0.95)
+    chat.add_argument("--top-k", type=int, default=40)
+    chat.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible answers")
+    chat.add_argument("--stats", action="store_true",
+                      help="after each answer, print speed, prompt tokens reused and the SFI statistics on stderr")
+    _add_model_args(chat)
+    _add_sfi_args(chat)
+    chat.set_defaults(func=_cmd_chat)
+
+    serve = sub.add_parser(
+        "serve", help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Serve the model over HTTP with the OpenAI API, so any OpenAI client (the openai Python package, "
+            "curl, editors) can use it. Streaming uses server-sent events. Requests take turns (one model, one "
+            "KV cache); a conversation that grows turn by turn reuses its cache. Every response has an extra "
+            "\"sfi_stats\" field with the request's statistics; a request may set SFI options in an \"sfi\" "
+            "field (SFIConfig fields, or false for dense).", 79),
+        epilog="example:\n  sfi-gguf serve --port 8000 &\n"
+               "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+               "       -d '{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n"
+               "  # Python: openai.OpenAI(base_url=\"http://127.0.0.1:8000/v1\", api_key=\"none\")")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to "
+                            "the network)")
+    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--alias", default=None,
+                       help="model name shown in /v1/models and responses (default: the GGUF file name)")
+    _add_model_args(serve)
+    _add_sfi_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
     model = sub.add_parser("model", help="fetch, assemble and verify a known model; print its path")
     model.add_argument("name", nargs="?", default="qwen2.5-coder-0.5b-instruct",
                        help="qwen2.5-coder-0.5b-instruct, gemma3-270m or all")
@@ -131,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="show the loaded llama.cpp library and its build")
     info.set_defaults(func=_cmd_info)
+
+    from .evals.command import add_eval_parser
+    add_eval_parser(sub)
     return parser
 
 
@@ -138,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, MemoryError) as exc:
+    except (ValueError, OSError, MemoryError) as exc:  # OSError: a missing file, a port in use
         print(f"sfi-gguf: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

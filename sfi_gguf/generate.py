@@ -25,6 +25,7 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""      # "stop" (EOG or stop string), "length" (max_tokens or n_ctx)
+    ended_on_eog: bool = False   # the last generated token is end-of-generation (not part of the text)
     seed: int = 0
     mode: str = "dense"
     sfi: object = None           # SFIStats when decoding with SFI
@@ -41,6 +42,7 @@ class Completion:
     tokens: list[int]
     finish_reason: str
     stats: GenerationStats
+    logprobs: list | None = None  # per sampled token (token, logprob, top [(token, logprob)]) when asked for
 
 
 class DenseStepper:
@@ -122,6 +124,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
             stats.n_generated += 1
             if not ignore_eos and ctx.is_eog(token):
                 finish = "stop"
+                stats.ended_on_eog = True
                 break
             piece, stopped = stops.push(utf8.decode(ctx.token_bytes(token)))
             if piece:

@@ -1,10 +1,11 @@
 """`SFILlama`: the user-facing model object."""
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import os
 from typing import Iterator, Sequence, Union
 
+from . import openai_api
 from ._native import llama_cpp
 from .config import SFIConfig
 from .context import LlamaContext
@@ -27,7 +28,8 @@ class SFILlama:
     model's training context.
 
     `sfi`: an `SFIConfig` (default: `SFIConfig()`, the method with its published defaults), a policy
-    name ("punctuation", "fixed", "static", "sink_recent", "dense"), or False for plain dense decoding.
+    name ("punctuation", "fixed", "static", "sink_recent", "dense"), a dict of SFIConfig fields, or
+    False for plain dense decoding.
     SFI needs flash attention (the compact view stores V like K).
     """
 
@@ -48,9 +50,16 @@ class SFILlama:
         self.progress = progress
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose)
+        try:
+            _check_fits(self.sfi_config, self._ctx.n_ctx)
+        except ValueError:
+            self._ctx.close()  # nothing half-initialised: the model goes with the refused object
+            raise
+        self._generation = 0  # bumped by every generate(): a stream from an earlier call must not decode
         self.last_stats: GenerationStats | None = None
         self._sfi_native = None
         self._pieces = None
+        self._chat_formatter = None
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -85,37 +94,39 @@ class SFILlama:
         return self._ctx.detokenize(tokens)
 
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The GGUF's chat template applied to messages (llama.cpp's template engine)."""
+        """The GGUF's chat template applied to messages.
+
+        Rendered with Jinja exactly as llama-cpp-python's `Llama.create_chat_completion` (and
+        transformers) do, so prompts, default system prompts included, are the same token for token.
+        A message's content may be None or a list of text parts; other keys (tool_calls, name ...) go
+        to the template as they are.
+        """
         template = self._ctx.chat_template()
         if template is None:
             raise ValueError(f"{self.model_path.name} has no chat template; pass a plain string prompt")
         if not messages:
             raise ValueError("messages is empty")
-        for m in messages:
-            if not isinstance(m, dict) or "role" not in m or "content" not in m:
-                raise ValueError(f"each message needs 'role' and 'content', got {m!r}")
-        keep = [(str(m["role"]).encode(), str(m["content"]).encode()) for m in messages]
-        chat = (llama_cpp.llama_chat_message * len(keep))()
-        for i, (role, content) in enumerate(keep):
-            chat[i].role = role
-            chat[i].content = content
-        size = sum(len(r) + len(c) for r, c in keep) * 2 + 256
-        for _ in range(2):
-            buf = ctypes.create_string_buffer(size)
-            n = llama_cpp.llama_chat_apply_template(template.encode(), chat, len(keep), add_generation_prompt,
-                                                    buf, size)
-            if n < 0:
-                raise ValueError(f"llama.cpp does not support the chat template of {self.model_path.name}")
-            if n <= size:
-                return buf.raw[:n].decode("utf-8", errors="replace")
-            size = n + 1
-        raise RuntimeError("chat template output did not fit")
+        key = (template, add_generation_prompt)
+        if self._chat_formatter is None or self._chat_formatter[0] != key:
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            def text(token: int) -> str:
+                return llama_cpp.llama_vocab_get_text(self._ctx.vocab, token).decode(errors="replace") \
+                    if token >= 0 else ""
+
+            formatter = Jinja2ChatFormatter(template, eos_token=text(llama_cpp.llama_vocab_eos(self._ctx.vocab)),
+                                            bos_token=text(llama_cpp.llama_vocab_bos(self._ctx.vocab)),
+                                            add_generation_prompt=add_generation_prompt)
+            self._chat_formatter = (key, formatter)
+        return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages]).prompt
 
     def prompt_tokens(self, prompt: Prompt) -> list[int]:
         """A prompt as tokens: text is tokenized, messages are chat-formatted, token ids pass through."""
         if isinstance(prompt, str):
             return self.tokenize(prompt)
-        if len(prompt) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not len(prompt):  # [] is neither messages nor tokens: say what is wrong, not "no chat template"
+            raise ValueError("the prompt is empty")
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self._ctx.n_vocab]
             if bad:
                 raise ValueError(f"token ids out of range [0, {self._ctx.n_vocab}): {bad[:5]}")
@@ -137,21 +148,26 @@ class SFILlama:
 
         config = config or self.sfi_config
         if config.policy == "dense":
-            if self._sfi_native is not None:
+            if self._sfi_native is not None and self._sfi_native._initialized:
                 self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
             return DenseStepper(self._ctx)
+        _check_fits(config, self.n_ctx)
         from .boundary import PieceTable
         from .policy import make_policy
         from .selector import make_selector
         from .sfi import SFIStepper
 
-        params = dict(n_sel_max=config.n_sink + config.resolve_k_head(self.n_ctx) + config.n_recent,
-                      n_tail_max=max(256, 2 * config.refresh_interval), n_query_rows=config.n_prefill_queries,
+        # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
+        # buffers (allocated for the capacity) bounded, and the values inside int32
+        n_ctx = self.n_ctx
+        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent),
+                      n_tail_max=min(n_ctx, max(256, 2 * config.refresh_interval)),
+                      n_query_rows=min(n_ctx, config.n_prefill_queries),
                       evidence_alpha=config.alpha, export_key_norms=True)
         if self._sfi_native is None:
             self._sfi_native = SFINative(self._ctx.ctx, **params)
-        elif any(self._sfi_native.params[k] != v for k, v in params.items()):
-            self._sfi_native.init(**params)  # the config changed since: new budgets
+        elif not self._sfi_native._initialized or any(self._sfi_native.params[k] != v for k, v in params.items()):
+            self._sfi_native.init(**params)  # the config changed since (new budgets), or a re-init failed
         if self._pieces is None and config.policy == "punctuation":
             self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
         return SFIStepper(self._ctx, self._sfi_native, config, make_policy(config, self._pieces),
@@ -160,18 +176,29 @@ class SFILlama:
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
-                 ignore_eos: bool = False) -> Union[Completion, Iterator[str]]:
+                 ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                 logprobs: int | None = None,
+                 sfi: SFIConfig | str | bool | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
         `self.last_stats` once it is exhausted). The KV cache of the longest common prefix with the
-        previous call is reused.
+        previous call is reused. `logprobs` n: `Completion.logprobs` holds each sampled token's
+        log-probability and the n most likely tokens (not with stream=True). `sfi` overrides the
+        model's `sfi_config` for this call only.
         """
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if logprobs is not None and stream:
+            raise NotImplementedError("logprobs with stream=True is not supported; stream without logprobs "
+                                      "or ask for them without streaming")
+        config = self.sfi_config if sfi is None else _sfi_config(sfi)
+        if config.policy != "dense" and not self._ctx.flash_attn:
+            raise ValueError("SFI needs flash_attn=True; pass sfi=False for dense decoding")
         stop_list = [stop] if isinstance(stop, str) else list(stop or [])
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed)
+                                repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty)
         params.validate()
         tokens = self.prompt_tokens(prompt)
         if not tokens:
@@ -179,23 +206,38 @@ class SFILlama:
         if len(tokens) >= self.n_ctx:
             raise ValueError(f"the prompt has {len(tokens)} tokens, the context holds {self.n_ctx} "
                              "(n_ctx); shorten it or create SFILlama with a larger n_ctx")
+        self._generation += 1  # from here on, an earlier stream must not decode any more
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
-        sampler = Sampler(params)
-        stepper = self._stepper()
+        sampler = Sampler(params, logprobs=logprobs)
+        stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
                                 ignore_eos=ignore_eos)
         if max_tokens == 0:
             pieces = _prefill_only(stepper, self._ctx, tokens, stats)
         if stream:
-            return _closing(pieces, sampler)
+            return _closing(pieces, sampler, self, self._generation)
         try:
             text = "".join(pieces)
         finally:
             sampler.close()
-        return Completion(text=text, tokens=out_tokens, finish_reason=stats.finish_reason, stats=stats)
+        return Completion(text=text, tokens=out_tokens, finish_reason=stats.finish_reason, stats=stats,
+                          logprobs=sampler.logprobs if logprobs is not None else None)
+
+    # -- llama-cpp-python's API (sfi_gguf/openai_api.py) -------------------------------------------
+    def create_completion(self, prompt: Union[str, Sequence[int]], *args, **kwargs):
+        """`llama_cpp.Llama.create_completion`: same arguments and dicts, plus `sfi=` and "sfi_stats"."""
+        return openai_api.create_completion(self, prompt, *args, **kwargs)
+
+    def __call__(self, prompt: Union[str, Sequence[int]], *args, **kwargs):
+        """`llama_cpp.Llama.__call__`: `create_completion`."""
+        return openai_api.create_completion(self, prompt, *args, **kwargs)
+
+    def create_chat_completion(self, messages: Sequence[Message], *args, **kwargs):
+        """`llama_cpp.Llama.create_chat_completion` with the GGUF's chat template, plus `sfi=`."""
+        return openai_api.create_chat_completion(self, messages, *args, **kwargs)
 
 
 def _sfi_config(sfi) -> SFIConfig:
@@ -207,7 +249,30 @@ def _sfi_config(sfi) -> SFIConfig:
         return SFIConfig(policy=sfi)
     if isinstance(sfi, SFIConfig):
         return sfi
-    raise ValueError(f"sfi must be an SFIConfig, a policy name or a bool, got {sfi!r}")
+    if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request
+        fields = {f.name for f in dataclasses.fields(SFIConfig)}
+        unknown = set(sfi) - fields
+        if unknown:
+            raise ValueError(f"unknown SFIConfig field(s) {sorted(unknown)}; known: {', '.join(sorted(fields))}")
+        return SFIConfig(**sfi)
+    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig fields or a bool, got {sfi!r}")
+
+
+def _normalize_message(m: Message) -> Message:
+    """OpenAI-style message -> what a chat template expects (content a string)."""
+    if not isinstance(m, dict) or "role" not in m:
+        raise ValueError(f"each message needs a 'role' and a 'content', got {m!r}")
+    content = m.get("content")
+    if "content" not in m and not m.get("tool_calls"):
+        raise ValueError(f"each message needs a 'role' and a 'content', got {m!r}")
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text":
+                raise NotImplementedError(f"only text content parts are supported, got {part!r}")
+            parts.append(str(part.get("text", "")))
+        content = "".join(parts)
+    return {**m, "role": str(m["role"]), "content": "" if content is None else str(content)}
 
 
 def _prefill_only(stepper, ctx: LlamaContext, tokens, stats: GenerationStats) -> Iterator[str]:
@@ -218,8 +283,33 @@ def _prefill_only(stepper, ctx: LlamaContext, tokens, stats: GenerationStats) ->
     return iter(())
 
 
-def _closing(pieces: Iterator[str], sampler: Sampler) -> Iterator[str]:
+def _check_fits(config: SFIConfig, n_ctx: int) -> None:
+    """An explicit k_head above the context cannot be what the caller meant: say so, naming it.
+
+    (k_head == n_ctx is fine: a budget covering the whole context, used to compare with dense.)
+    """
+    if config.policy != "dense" and config.k_head is not None and config.k_head > n_ctx:
+        raise ValueError(f"SFIConfig.k_head={config.k_head}: larger than the context (n_ctx={n_ctx}); "
+                         "use k_head <= n_ctx, or k_head=None to scale it to the context")
+
+
+def _closing(pieces: Iterator[str], sampler: Sampler, owner: "SFILlama", generation: int) -> Iterator[str]:
+    """The stream of one generate() call; frees its sampler however it ends.
+
+    A stream superseded by a later generate() call (which rebuilt the shared KV cache) raises instead of
+    decoding its next token into the other call's cache.
+    """
     try:
-        yield from pieces
+        while True:
+            if owner._generation != generation:
+                raise RuntimeError("this stream was superseded by a later generate() call on the same model "
+                                   "(they share one KV cache); finish or close a stream before the next call")
+            try:
+                piece = next(pieces)
+            except StopIteration:
+                return
+            yield piece
     finally:
+        if hasattr(pieces, "close"):  # run_generation's own clean-up (statistics); iter(()) has none
+            pieces.close()
         sampler.close()

@@ -1,0 +1,193 @@
+"""llama-cpp-python's `create_completion` / `create_chat_completion` for `SFILlama`.
+
+Same arguments, defaults and return dicts as `llama_cpp.Llama` 0.3.36 (see its `llama_types.py`), so
+code written for llama-cpp-python (or the OpenAI API) runs unchanged. SFI statistics ride along in an
+extra "sfi_stats" key (the last chunk when streaming), which clients that do not know it ignore.
+Arguments we do not implement raise `NotImplementedError` instead of being silently ignored.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import uuid
+from typing import Any, Iterator
+
+# llama-cpp-python arguments we do not implement, with the value that means "not used"
+_NOT_USED = {
+    "suffix": None, "echo": False, "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0,
+    "stopping_criteria": None, "logits_processor": None, "grammar": None, "logit_bias": None,
+    "functions": None, "function_call": None, "tools": None, "tool_choice": "none",
+}
+
+
+def _check_supported(args: dict[str, Any]) -> None:
+    used = [k for k, neutral in _NOT_USED.items() if k in args and args[k] not in (None, neutral)
+            and not (isinstance(args[k], (list, dict)) and not args[k])]
+    if used:
+        hint = (" (tool calling: see examples/agent_loop.py for a plain-text tool protocol)"
+                if {"tools", "functions", "tool_choice", "function_call"} & set(used) else "")
+        raise NotImplementedError(f"SFILlama does not support {', '.join(used)}{hint}")
+
+
+def stats_dict(stats) -> dict[str, Any]:
+    """`GenerationStats` (with its `SFIStats`) as JSON-safe data: the "sfi_stats" of a response."""
+    out = dataclasses.asdict(stats)
+    out["decode_tok_s"] = stats.decode_tok_s
+    if stats.sfi is not None:
+        out["sfi"]["mean_overlap"] = stats.sfi.mean_overlap
+    return _json_safe(out)
+
+
+def usage(sfi_stats: dict[str, Any]) -> dict[str, int]:
+    """OpenAI "usage" from "sfi_stats" (a final end-of-generation token is not a completion token)."""
+    n_prompt = sfi_stats["n_prompt"]
+    n_completion = sfi_stats["n_generated"] - int(sfi_stats["ended_on_eog"])
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def _json_safe(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
+              presence_penalty, sfi) -> dict[str, Any]:
+    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
+                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+                presence_penalty=presence_penalty, sfi=sfi)
+
+
+# -- completions ----------------------------------------------------------------------------------
+def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05,
+                      typical_p=1.0, logprobs=None, echo=False, stop=None, frequency_penalty=0.0,
+                      presence_penalty=0.0, repeat_penalty=1.0, top_k=40, stream=False, seed=None, tfs_z=1.0,
+                      mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, model=None, stopping_criteria=None,
+                      logits_processor=None, grammar=None, logit_bias=None, *, sfi=None):
+    """`llama_cpp.Llama.create_completion`: a text_completion dict, or an iterator of chunks if stream.
+
+    `sfi` (an SFIConfig, policy name, bool or dict of SFIConfig fields) overrides the model's SFI
+    settings for this call.
+    """
+    _check_supported(locals())
+    is_ids = isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                       for t in prompt)
+    if not isinstance(prompt, str) and not is_ids:
+        raise ValueError("prompt must be a string or a list of token ids (chat messages go to "
+                         "create_chat_completion)")
+    tokens = llm.prompt_tokens(prompt)
+    text_offset = len(prompt) if isinstance(prompt, str) else len(llm.detokenize(tokens))
+    sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
+                         presence_penalty, sfi)
+    return _complete(llm, tokens, max_tokens, stream, model, logprobs, sampling,
+                     lambda records: _completion_logprobs(llm, records, text_offset))
+
+
+def _complete(llm, tokens, max_tokens, stream, model, logprobs, sampling, shape_logprobs):
+    """Generate and shape a text_completion (or its chunks); the chat API converts the result."""
+    if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: as many as the context holds
+        max_tokens = max(llm.n_ctx - len(tokens), 1)
+    head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+            "model": model if model is not None else str(llm.model_path)}
+    out = llm.generate(tokens, max_tokens=max_tokens, stream=stream, logprobs=logprobs, **sampling)
+    if stream:
+        return _completion_chunks(head, out, llm.last_stats)
+    choice = {"text": out.text, "index": 0,
+              "logprobs": shape_logprobs(out.logprobs) if logprobs is not None else None,
+              "finish_reason": out.finish_reason}
+    stats = stats_dict(out.stats)
+    return {**head, "choices": [choice], "usage": usage(stats), "sfi_stats": stats}
+
+
+def _completion_chunks(head, pieces: Iterator[str], stats) -> Iterator[dict]:
+    for piece in pieces:
+        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}]}
+    yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": stats.finish_reason}],
+           "sfi_stats": stats_dict(stats)}
+
+
+def _records(llm, records):
+    """Sampler records without a final end-of-generation token, with each token's text."""
+    records = list(records or [])
+    if records and llm.context.is_eog(records[-1][0]):
+        records.pop()
+    piece = lambda t: llm.context.token_bytes(t).decode("utf-8", errors="ignore")  # noqa: E731
+    return records, piece
+
+
+def _completion_logprobs(llm, records, text_offset: int) -> dict:
+    records, piece = _records(llm, records)
+    out = {"tokens": [], "text_offset": [], "token_logprobs": [], "top_logprobs": []}
+    pos = text_offset
+    for token, logprob, top in records:
+        text = piece(token)
+        out["tokens"].append(text)
+        out["text_offset"].append(pos)
+        out["token_logprobs"].append(logprob)
+        out["top_logprobs"].append({**{piece(t): lp for t, lp in top}, text: logprob})
+        pos += len(text)
+    return out
+
+
+# -- chat completions -----------------------------------------------------------------------------
+def create_chat_completion(llm, messages, functions=None, function_call=None, tools=None, tool_choice=None,
+                           temperature=0.2, top_p=0.95, top_k=40, min_p=0.05, typical_p=1.0, stream=False,
+                           stop=None, seed=None, response_format=None, max_tokens=None, presence_penalty=0.0,
+                           frequency_penalty=0.0, repeat_penalty=1.0, tfs_z=1.0, mirostat_mode=0,
+                           mirostat_tau=5.0, mirostat_eta=0.1, model=None, logits_processor=None, grammar=None,
+                           logit_bias=None, logprobs=None, top_logprobs=None, *, sfi=None):
+    """`llama_cpp.Llama.create_chat_completion`: a chat.completion dict, or chat.completion.chunk dicts.
+
+    The prompt is the GGUF's chat template applied to `messages`. A conversation that grows turn by
+    turn reuses the KV cache of everything before the new messages.
+    """
+    _check_supported(locals())
+    if response_format not in (None, {"type": "text"}):
+        raise NotImplementedError(f"response_format {response_format!r} is not supported (only text)")
+    if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    tokens = llm.prompt_tokens(list(messages))
+    n_top = (top_logprobs or 0) if logprobs else None
+    sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
+                         presence_penalty, sfi)
+    result = _complete(llm, tokens, max_tokens, stream, model, n_top, sampling,
+                       lambda records: _chat_logprobs(llm, records))
+    if stream:
+        return _chat_chunks(result)
+    choice = result["choices"][0]
+    return {"id": "chat" + result["id"], "object": "chat.completion", "created": result["created"],
+            "model": result["model"],
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
+                         "logprobs": choice["logprobs"], "finish_reason": choice["finish_reason"]}],
+            "usage": result["usage"], "sfi_stats": result["sfi_stats"]}
+
+
+def _chat_logprobs(llm, records) -> dict:
+    records, piece = _records(llm, records)
+
+    def entry(token, logprob):
+        return {"token": piece(token), "logprob": logprob, "bytes": list(llm.context.token_bytes(token))}
+
+    return {"content": [{**entry(token, logprob), "top_logprobs": [entry(t, lp) for t, lp in top]}
+                        for token, logprob, top in records],
+            "refusal": None}
+
+
+def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
+    for i, chunk in enumerate(chunks):
+        head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
+                "object": "chat.completion.chunk"}
+        if i == 0:
+            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                        "finish_reason": None}]}
+        c = chunk["choices"][0]
+        delta = {"content": c["text"]} if c["finish_reason"] is None else {}
+        out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": c["finish_reason"]}]}
+        if "sfi_stats" in chunk:
+            out["sfi_stats"] = chunk["sfi_stats"]
+        yield out

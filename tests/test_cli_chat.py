@@ -1,0 +1,40 @@
+"""`sfi-gguf chat` with piped input (history kept, /reset, /quit, --stats) and the --help texts."""
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args, stdin=None, timeout=600):
+    return subprocess.run([sys.executable, "-m", "sfi_gguf.cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=REPO, timeout=timeout)
+
+
+@pytest.mark.real_model
+def test_chat_keeps_history_resets_and_quits():
+    lines = "What is 2 + 2?\nAnd times 3?\n/reset\nSay hello.\n/quit\nThis line is never read.\n"
+    result = _cli("chat", "-n", "6", "--temperature", "0", "--stats", "-c", "1024", "-t", "1", stdin=lines)
+    assert result.returncode == 0, result.stderr
+    answers = result.stdout.strip("\n").split("\n")
+    assert len(answers) == 3 and all(a.strip() for a in answers), result.stdout
+    assert "[conversation reset]" in result.stderr
+    turns = [(int(a), int(b)) for a, b in re.findall(r"prompt (\d+) tokens, (\d+) new", result.stderr)]
+    assert len(turns) == 3, result.stderr
+    (p1, _), (p2, new2), (p3, _) = turns
+    assert p2 > p1 and new2 < p2 - p1   # the second turn carries the first one, reused from the cache
+    assert p3 < p2                       # after /reset the history is gone
+    assert result.stderr.count("SFI: policy") == 3
+
+
+@pytest.mark.parametrize("command, words", [("run", ["--max-tokens", "greedy", "--file"]),
+                                            ("chat", ["/reset", "/quit", "--stats", "--system"]),
+                                            ("serve", ["--port", "/v1/chat/completions", "openai", "sfi_stats"])])
+def test_help_texts(command, words):
+    result = _cli(command, "--help", timeout=120)
+    assert result.returncode == 0
+    for word in words:
+        assert word in result.stdout, (command, word)
