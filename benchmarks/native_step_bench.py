@@ -49,7 +49,7 @@ class Bench:
         path = Path(args.model) if Path(args.model).suffix == ".gguf" else random_model(args.model)
         self.path = path
         self.lc = LlamaContext(path, n_ctx=args.ctx + args.steps + 2 * args.warmup + 64, n_gpu_layers=args.ngl,
-                               n_threads=args.threads or None, n_batch=args.batch, flash_attn=True, verbose=False,
+                               n_threads=args.threads or None, n_batch=args.batch, flash_attn=not args.no_flash_attn, verbose=False,
                                type_kv=args.kv_type)
         self.ctx = self.lc.ctx
         self.n_vocab = self.lc.n_vocab
@@ -98,6 +98,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--batch", type=int, default=2048, help="prefill batch")
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"])
+    ap.add_argument("--no-flash-attn", action="store_true", help="plain attention (the faster path on many CPUs)")
     ap.add_argument("--query-rows", type=int, default=1, help="query rows of the slow-step export")
     ap.add_argument("--json", default="native_step_bench.json", help="output file ('' = none)")
     args = ap.parse_args(argv)
@@ -174,7 +175,7 @@ def main(argv=None) -> dict:
           f"slow / dense = {res['slow']['median_ms'] / res['dense']['median_ms']:.2f}")
 
     out = {
-        "model": str(b.path), "ctx": args.ctx, "budget": args.budget, "ngl": args.ngl, "kv_type": args.kv_type,
+        "model": str(b.path), "ctx": args.ctx, "budget": args.budget, "ngl": args.ngl, "kv_type": args.kv_type, "flash_attn": not args.no_flash_attn,
         "steps": args.steps, "query_rows": args.query_rows, "fill_s": t_fill,
         "n_layers_sfi": sfi.n_layers, "n_head_kv": sfi.n_head_kv,
         "results": res, "fast_over_dense_at_budget": ratio, "dense_over_fast": speedup,

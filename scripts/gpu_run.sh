@@ -21,6 +21,23 @@ if [[ " $stages " == *" build "* ]]; then
     tail -3 "$OUT/build.log"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 fi
+if [[ " $stages " == *" diag "* ]]; then
+    log "toolchain and exported libstdc++ symbols"
+    LIB=$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())" 2>/dev/null)
+    { grep -E "CXX compiler identification|CUDA compiler identification|CUDA host compiler|CMAKE_CUDA_HOST" "$OUT/build.log" | head
+      which g++ c++ nvcc; g++ --version | head -1; echo "PATH=$PATH"; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
+      for f in "$LIB"/*.so*; do echo "-- $f: $(nm -D --defined-only "$f" 2>/dev/null | grep -c 'St.*basic_ostream\|_M_insert') ostream symbols"
+          readelf -d "$f" | grep -E "NEEDED|RUNPATH|RPATH" | tr -s ' ' | cut -d' ' -f3- ; done
+      ldd "$LIB/libggml-cuda.so" | grep -E "stdc|gcc"
+      nm -D --defined-only "$LIB/libggml-cuda.so" | c++filt | grep -E "_M_insert|ostream" | head -5
+    } > "$OUT/diag.txt" 2>&1
+    cat "$OUT/diag.txt"
+    log "tiny native test, plain and with LD_DEBUG"
+    SFI_TEST_NGL=99 timeout 120 python3 -m pytest -q -x -p no:cacheprovider tests/test_native.py -k "in_order and tiny-fa" 2>&1 | tail -3
+    SFI_TEST_NGL=99 LD_DEBUG=bindings LD_DEBUG_OUTPUT=$OUT/ld timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
+        tests/test_native.py -k "in_order and tiny-fa" 2>&1 | tail -2
+    cat "$OUT"/ld.* 2>/dev/null | grep -E "_M_insert|do_unshift" | head -8; rm -f "$OUT"/ld.*
+fi
 model() {  # random-weight model of a named shape carrying the default model's tokenizer (.gpu/vocab.gguf)
     python3 -m sfi_gguf.random_model "$1" --weight-type "$2" --vocab-source "$PWD/.gpu/vocab.gguf" | tail -1
 }

@@ -212,10 +212,11 @@ def real():
     m.close()
 
 
-def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_max=64, n_ctx=1024, seed=0):
+def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_max=64, n_ctx=1024, seed=0,
+             flash_attn=True):
     """Dense context A and FAST context B fed the same tokens (B's greedy choices are A's)."""
-    a = Ctx(model, n_ctx=n_ctx, type_kv=type_kv)
-    b = Ctx(model, n_ctx=n_ctx, type_kv=type_kv)
+    a = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn)
+    b = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn)
     try:
         toks = tokens_for(model, n_prefill, seed)
         a.decode(toks)
@@ -269,13 +270,6 @@ def test_calls_before_init_and_after_free(tiny):
 
 
 def test_init_refusals(tiny):
-    c = Ctx(tiny, flash_attn=False)
-    try:
-        with pytest.raises(SFIError) as e:
-            SFINative(c.ctx)
-        assert e.value.code == native.ERR_UNSUPPORTED
-    finally:
-        c.close()
     c = Ctx(tiny, n_seq_max=2)
     try:
         with pytest.raises(SFIError) as e:
@@ -341,10 +335,16 @@ def test_bad_selections(tiny):
 
 # -- FAST steps ------------------------------------------------------------------------------------
 
+# flash attention off: the cache holds V transposed, the view does not (and the CPU runs the plain,
+# often faster, attention path); every exactness test below runs both ways
+FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen2", "tiny_qwen3"])
-def test_all_cells_in_order_is_bit_identical(fixture, request):
+def test_all_cells_in_order_is_bit_identical(fixture, flash_attn, request):
     model = request.getfixturevalue(fixture)
-    out = run_pair(model, 200, 40, lambda sfi, n: all_cells(sfi, n))
+    out = run_pair(model, 200, 40, lambda sfi, n: all_cells(sfi, n), flash_attn=flash_attn)
     for la, lb in out:
         assert np.array_equal(la, lb)
 
@@ -364,11 +364,12 @@ def test_all_cells_permuted_256_steps(tiny):
     assert all(la.argmax() == lb.argmax() for la, lb in out)
 
 
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("sink", [0, 4])
-def test_window_matches_seq_rm(tiny, sink):
+def test_window_matches_seq_rm(tiny, sink, flash_attn):
     P, W, steps = 300, 96, 24
-    a = Ctx(tiny)
-    b = Ctx(tiny)
+    a = Ctx(tiny, flash_attn=flash_attn)
+    b = Ctx(tiny, flash_attn=flash_attn)
     try:
         toks = tokens_for(tiny, P, seed=2)
         a.decode(toks)
@@ -392,11 +393,12 @@ def test_window_matches_seq_rm(tiny, sink):
 
 
 @pytest.mark.skipif(NGL > 0, reason="reads tensors on the host through cb_eval")
-def test_per_head_selection_matches_numpy(tiny):
-    """Different cells per KV head: the FA output of each layer equals numpy attention over those cells."""
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_per_head_selection_matches_numpy(tiny, flash_attn):
+    """Different cells per KV head: the attention output of each layer equals numpy attention over those cells."""
     P, n_sel, steps = 160, 48, 3
     cap = Capture(["Qcur-", "Kcur-", "Vcur-", "kqv_out-"])
-    c = Ctx(tiny, capture=cap)
+    c = Ctx(tiny, capture=cap, flash_attn=flash_attn)
     try:
         toks = tokens_for(tiny, P, seed=3)
         c.decode(toks)
@@ -541,13 +543,14 @@ def test_multi_token_fast_decode(tiny):
 # -- SLOW steps ------------------------------------------------------------------------------------
 
 @pytest.mark.skipif(NGL > 0, reason="reads tensors on the host through cb_eval")
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("rows", [1, 4])
-def test_mass_matches_softmax(tiny, rows):
+def test_mass_matches_softmax(tiny, rows, flash_attn):
     P = 150
     cap = Capture(["kq_soft_max-", "Kcur-"])
     ref = Ctx(tiny, flash_attn=False, capture=cap)
-    c = Ctx(tiny)
-    d = Ctx(tiny)
+    c = Ctx(tiny, flash_attn=flash_attn)
+    d = Ctx(tiny, flash_attn=flash_attn)
     try:
         toks = tokens_for(tiny, P + rows, seed=7)
         for x in (ref, c, d):
@@ -588,11 +591,12 @@ def test_mass_matches_softmax(tiny, rows):
             x.close()
 
 
-def test_slow_then_fast_cycle(tiny):
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_slow_then_fast_cycle(tiny, flash_attn):
     """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected."""
     P = 130
-    a = Ctx(tiny)
-    b = Ctx(tiny)
+    a = Ctx(tiny, flash_attn=flash_attn)
+    b = Ctx(tiny, flash_attn=flash_attn)
     try:
         toks = tokens_for(tiny, P, seed=8)
         a.decode(toks); b.decode(toks)
@@ -668,8 +672,9 @@ def test_q8_0_cache(fixture, request):
 # -- the real default model ------------------------------------------------------------------------
 
 @pytest.mark.real_model
-def test_real_model_all_cells_equals_dense(real):
-    out = run_pair(real, 160, 32, lambda sfi, n: all_cells(sfi, n))
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_real_model_all_cells_equals_dense(real, flash_attn):
+    out = run_pair(real, 160, 32, lambda sfi, n: all_cells(sfi, n), flash_attn=flash_attn)
     for la, lb in out:
         assert np.array_equal(la, lb)
 
