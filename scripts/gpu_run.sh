@@ -60,4 +60,10 @@ if [[ " $stages " == *" native "* ]]; then
             --json "$OUT/native_step-h200-$ctx.json"
     done
 fi
+if [[ " $stages " == *" bench "* ]]; then
+    log "sfi-gguf bench: dense vs SFI (Qwen3-4B shape, F16)"
+    python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+        --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} --json "$OUT/bench-h200-qwen3-4b-f16.json" \
+        2>&1 | grep -v "^load:" | tail -20
+fi
 log done

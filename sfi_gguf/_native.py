@@ -53,9 +53,28 @@ def find_lib_dir() -> Path:
     )
 
 
+def _preload_libstdcxx() -> None:
+    """Put the system libstdc++ first in the process's global symbol scope (Linux).
+
+    Some CUDA toolchains (seen with CUDA 13 + GCC 13) leave copies of libstdc++ internals exported
+    from libggml*.so; libllama's std::ostream calls then bind to those copies, whose locale facet ids
+    are not libstdc++'s, and crash at model load (upstream llama.cpp PR #22434 hit the same). With
+    libstdc++ loaded RTLD_GLOBAL first, every library binds to the real one.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
+    except OSError:
+        pass  # no shared libstdc++ (static build): nothing to interpose
+
+
 def _load_llama_cpp():
     lib_dir = find_lib_dir()
     if "llama_cpp" not in sys.modules:
+        _preload_libstdcxx()
         previous = os.environ.get("LLAMA_CPP_LIB_PATH")
         os.environ["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
         try:

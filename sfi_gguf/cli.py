@@ -14,7 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--n-ctx", type=int, default=4096, help="context size in tokens (0 = model's maximum)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1 = all)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--no-flash-attn", action="store_true", help="disable flash attention (implies --dense)")
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="flash attention (auto: on when layers are on a GPU, off on the CPU, where it is slower)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
@@ -35,10 +36,14 @@ def _add_sfi_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--refresh-interval", type=int, default=64, help="T_max: a slow step at least this often")
 
 
+def _flash_attn(args: argparse.Namespace) -> bool | None:
+    return {"auto": None, "on": True, "off": False}[args.flash_attn]
+
+
 def _sfi_from_args(args: argparse.Namespace):
     from .config import SFIConfig
 
-    if args.dense or args.no_flash_attn:
+    if args.dense:
         return False
     return SFIConfig(policy=args.policy, selector=args.selector, k_head=args.k_head, n_sink=args.n_sink,
                      n_recent=args.n_recent, refresh_interval=args.refresh_interval)
@@ -71,7 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("sfi-gguf run: give a prompt or --file", file=sys.stderr)
         return 2
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                   flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=True, sfi=_sfi_from_args(args))
+                   flash_attn=_flash_attn(args), verbose=args.verbose, progress=True, sfi=_sfi_from_args(args))
     chat = not args.raw and llm.context.chat_template() is not None
     request = [{"role": "user", "content": prompt}] if chat else prompt
     for piece in llm.generate(request, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -93,7 +98,7 @@ def _llm_from_args(args: argparse.Namespace, progress: bool = False):
     from .llama import SFILlama
 
     return SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                    flash_attn=not args.no_flash_attn, verbose=args.verbose, progress=progress,
+                    flash_attn=_flash_attn(args), verbose=args.verbose, progress=progress,
                     sfi=_sfi_from_args(args))
 
 
@@ -207,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .evals.command import add_eval_parser
     add_eval_parser(sub)
+
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
     return parser
 
 

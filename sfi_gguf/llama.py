@@ -30,12 +30,14 @@ class SFILlama:
     `sfi`: an `SFIConfig` (default: `SFIConfig()`, the method with its published defaults), a policy
     name ("punctuation", "fixed", "static", "sink_recent", "dense"), a dict of SFIConfig fields, or
     False for plain dense decoding.
-    SFI needs flash attention (the compact view stores V like K).
+    `flash_attn` None (default) means on when layers are offloaded to a GPU and off on the CPU, where
+    ggml's flash attention reads the KV cache once per query head and the plain path is faster; SFI
+    works either way.
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
                  n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int = 512,
-                 flash_attn: bool = True, verbose: bool = False, progress: bool = False,
+                 flash_attn: bool | None = None, verbose: bool = False, progress: bool = False,
                  sfi: SFIConfig | str | bool | None = True):
         if n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0 = the model's training context), got {n_ctx}")
@@ -44,8 +46,8 @@ class SFILlama:
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.sfi_config = _sfi_config(sfi)
-        if self.sfi_config.policy != "dense" and not flash_attn:
-            raise ValueError("SFI needs flash_attn=True (pass sfi=False for dense decoding without it)")
+        if flash_attn is None:
+            flash_attn = n_gpu_layers != 0
         self.model_path = resolve_model_path(model_path)
         self.progress = progress
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
@@ -193,8 +195,6 @@ class SFILlama:
             raise NotImplementedError("logprobs with stream=True is not supported; stream without logprobs "
                                       "or ask for them without streaming")
         config = self.sfi_config if sfi is None else _sfi_config(sfi)
-        if config.policy != "dense" and not self._ctx.flash_attn:
-            raise ValueError("SFI needs flash_attn=True; pass sfi=False for dense decoding")
         stop_list = [stop] if isinstance(stop, str) else list(stop or [])
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,

@@ -36,7 +36,16 @@ SHAPES = {
     "qwen3-4b": dict(arch="qwen3", n_layer=36, n_embd=2560, n_head=32, n_head_kv=8, head_dim=128, n_ff=9728,
                      vocab="copy", n_ctx_train=131072, rope_theta=1000000.0, weight_type="q8_0",
                      share_layer_weights=True),
+    "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
+                     vocab="copy", n_ctx_train=131072, rope_theta=1000000.0, weight_type="q4_k_m",
+                     share_layer_weights=True),
 }
+
+WEIGHT_TYPES = ("f32", "f16", "q8_0", "q4_k_m")
+
+# q4_k_m as llama-quantize lays it out, simplified: Q6_K for the output projection, attn_v and
+# ffn_down (llama.cpp gives those extra bits), Q4_K for every other matrix
+_Q6_K_TAGS = ("out", "v", "down")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +62,7 @@ class RandomModelSpec:
     n_ctx_train: int = 32768
     rope_theta: float = 10000.0
     n_swa: int = 0                 # gemma3: sliding window of the SWA layers
-    weight_type: str = "f32"       # f32, f16 or q8_0 (2-D weights; norms stay f32)
+    weight_type: str = "f32"       # one of WEIGHT_TYPES (2-D weights; norms stay f32)
     scale: float = 1.0             # multiplies the std of q/k weights (peakier attention when > 1)
     seed: int = 0
     share_layer_weights: bool = False  # every layer gets the same weights (fast to write; fine for timing)
@@ -128,11 +137,27 @@ class _Weights:
         elif wt == "q8_0":
             q = self.gguf.quants.quantize(a, self.gguf.GGMLQuantizationType.Q8_0)
             out = (q, self.gguf.GGMLQuantizationType.Q8_0)
+        elif wt == "q4_k_m":
+            out = self.k_quant_blocks(rows, cols, std, "q6_k" if tag in _Q6_K_TAGS else "q4_k")
         else:
             raise ValueError(f"weight_type {wt!r}")
         if self.spec.share_layer_weights:
             self.cache[key] = out
         return out
+
+    def k_quant_blocks(self, rows: int, cols: int, std: float, kind: str):
+        """Random Q4_K / Q6_K blocks (gguf-py cannot quantize to K-quants): random quants and sub-block
+        scales under a fixed super-block scale, so values are finite with roughly the wanted std."""
+        T = self.gguf.GGMLQuantizationType
+        qtype, size, scale_at, spread = ((T.Q4_K, 144, (0, 2), 200.0) if kind == "q4_k" else
+                                         (T.Q6_K, 210, (208,), 1300.0))
+        if cols % 256:
+            raise ValueError(f"{kind} needs rows of a multiple of 256 values, got {cols}")
+        blocks = self.rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+        d = np.frombuffer(np.float16(std / spread).tobytes(), np.uint8)
+        for at in scale_at:  # Q4_K: d and dmin; Q6_K: d
+            blocks[..., at:at + 2] = d
+        return blocks.reshape(rows, -1), qtype
 
     def norm(self, n: int, value: float = 1.0, jitter: float = 0.1) -> np.ndarray:
         return (value + jitter * self.rng.standard_normal(n)).astype(np.float32)
@@ -161,9 +186,9 @@ def write_random_gguf(path: Path, spec: RandomModelSpec) -> Path:
     writer.add_value_length(spec.head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(spec.rope_theta)
-    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if spec.weight_type == "f32" else
-                         gguf.LlamaFileType.MOSTLY_F16 if spec.weight_type == "f16" else
-                         gguf.LlamaFileType.MOSTLY_Q8_0)
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                          "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "q4_k_m": gguf.LlamaFileType.MOSTLY_Q4_K_M}[spec.weight_type])
     if arch == "llama":
         writer.add_rope_dimension_count(spec.head_dim)
     if arch == "gemma3":
@@ -283,7 +308,7 @@ def _main(argv=None) -> None:
 
     ap = argparse.ArgumentParser(description="write a random-weight GGUF (cached) and print its path")
     ap.add_argument("name", nargs="?", default="tiny-llama", choices=sorted(SHAPES))
-    ap.add_argument("--weight-type", default=None, choices=["f32", "f16", "q8_0"])
+    ap.add_argument("--weight-type", default=None, choices=WEIGHT_TYPES)
     ap.add_argument("--vocab", default=None, choices=["bytes", "copy"])
     ap.add_argument("--vocab-source", default=None, help="GGUF whose tokenizer is copied (default: default model)")
     ap.add_argument("--seed", type=int, default=None)

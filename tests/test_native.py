@@ -352,11 +352,12 @@ def test_all_cells_in_order_is_bit_identical(fixture, flash_attn, request):
 def test_all_cells_permuted_256_steps(tiny):
     """Cells in another order per head: same argmax over 256 steps, logits within tolerance.
 
-    The CPU flash-attention kernel accumulates V*p in F16 (an F32 cache is cast to F16 before it), so a
-    different cell order alone moves the logits of this random model by up to ~2e-3 (swapping only
-    cells 0 and 1 moves them by ~2e-4); CUDA accumulates in F32, where the 1e-3 bound applies.
+    Flash attention rounds its running V*p sums through F16 (an F32 cache is cast to F16 before it),
+    so a different cell order alone moves the logits of this random model (|logit| up to ~20) by up to
+    ~2e-3 on the CPU (swapping only cells 0 and 1 moves them by ~2e-4) and 3.1e-3 on the H200; the
+    argmax is the same at every step. Hence 5e-3, not the 1e-3 of an order-preserving kernel.
     """
-    tol = 1e-3 if NGL > 0 else 5e-3
+    tol = 5e-3
     rng = np.random.default_rng(1)
     out = run_pair(tiny, 300, 256, lambda sfi, n: all_cells(sfi, n, rng), n_tail_max=256)
     d = max(float(np.abs(la - lb).max()) for la, lb in out)

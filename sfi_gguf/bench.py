@@ -1,0 +1,255 @@
+"""`sfi-gguf bench`: decode speed of SFI against dense decoding, same process, same context.
+
+For every depth D the context holds D tokens of natural text. Then N tokens of the text's own
+continuation are decoded teacher-forced (each step feeds the text's next token, so sentence-start
+triggers fire as they would in real text; each step still takes the greedy argmax a real decode
+takes): once densely and once with SFI, one after the other on the same KV cache (the prompt is
+prefilled once and reused). The ceiling is dense decoding at a depth equal to the SFI memory
+(sink + k_head + recent): a fast step cannot be cheaper than that.
+
+Random-weight models in the shape of a real one (`random_model.SHAPES`) carry the default model's
+tokenizer, so text, boundaries and triggers are those of real text; weights do not change the time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from .config import SFIConfig
+
+DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
+
+
+@dataclasses.dataclass
+class BenchRow:
+    """One depth: dense vs SFI decode speed from one run (JSON row of benchmarks/results)."""
+
+    hardware: str
+    model: str
+    model_shape: str
+    weight_type: str
+    depth: int
+    k_head: int
+    budget: int
+    decoded_tokens: int
+    dense_tok_s: float
+    sfi_tok_s: float
+    ceiling_tok_s: float
+    ratio: float
+    slow_steps: int
+    fast_steps: int
+    dense_steps: int
+    t_fast_s: float
+    t_slow_s: float
+    t_selector_s: float
+    t_python_s: float
+    flash_attn: bool
+    n_gpu_layers: int
+    n_threads: int
+    policy: str
+    git_commit: str
+    batch: int = 1
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hardware(n_gpu_layers: int) -> str:
+    if n_gpu_layers:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                return out.stdout.strip().splitlines()[0]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def text_tokens(llm, n_tokens: int, seed: int = 0) -> list[int]:
+    """At least n_tokens tokens of natural prose (the prompt and its forced continuation)."""
+    from .texts import natural_text
+
+    n_chars = 5 * n_tokens + 4096
+    while True:
+        tokens = llm.tokenize(natural_text(n_chars, seed=seed))
+        if len(tokens) >= n_tokens:
+            return tokens[:n_tokens]
+        n_chars *= 2
+
+
+def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) -> float:
+    """Prefill (reusing the cached prefix), then one step per forced token; seconds of decoding.
+
+    SFI statistics are reset after the prefill, so they cover the decoding only (the bootstrap
+    slow step belongs to the prompt)."""
+    ctx = llm.context
+    stepper.prefill(list(prompt))
+    if hasattr(stepper, "stats"):
+        s = stepper.stats
+        s.t_fast = s.t_slow = s.t_selector = s.t_dense = 0.0
+    t0 = time.perf_counter()
+    for token in forced:
+        int(np.argmax(ctx.last_logits()))  # the greedy pick a real decode makes (waits for the step)
+        stepper.step(int(token))
+    int(np.argmax(ctx.last_logits()))
+    return time.perf_counter() - t0
+
+
+def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
+              n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
+              flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
+              log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth."""
+    from .context import default_threads
+    from .llama import SFILlama
+
+    config = config or SFIConfig(k_head=2048)
+    depths = sorted(int(d) for d in depths)
+    n_ctx = depths[-1] + n_decode + 64
+    llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads, n_batch=n_batch,
+                   flash_attn=flash_attn, progress=True, sfi=config)
+    ctx = llm.context
+    try:
+        text = text_tokens(llm, depths[-1] + n_decode)
+        budget_depth = config.n_sink + config.resolve_k_head(depths[-1]) + config.n_recent
+
+        def dense_at(depth: int) -> float:
+            ctx.truncate(min(len(ctx.tokens), depth))
+            dense = llm._stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
+            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode])
+            ctx.truncate(depth)
+            return n_decode / seconds
+
+        ceiling = dense_at(budget_depth)
+        log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
+        rows = []
+        commit = git_commit()
+        for depth in depths:
+            t0 = time.perf_counter()
+            dense_tok_s = dense_at(depth)
+            log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
+            stepper = llm._stepper(config)
+            seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode])
+            ctx.truncate(depth)
+            s = stepper.stats if hasattr(stepper, "stats") else None
+            native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
+            row = BenchRow(
+                hardware=hardware(n_gpu_layers), model=Path(str(llm.model_path)).name, model_shape=model_shape,
+                weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
+                budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
+                dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,
+                ratio=dense_tok_s and (n_decode / seconds) / dense_tok_s,
+                slow_steps=s.n_slow if s else 0, fast_steps=s.n_fast if s else 0, dense_steps=s.n_dense if s else 0,
+                t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
+                t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
+                flash_attn=ctx.flash_attn, n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(),
+                policy=config.policy, git_commit=commit)
+            rows.append(row)
+            log(format_row(row))
+        return rows
+    finally:
+        llm.close()
+
+
+HEADER = ("| depth | dense tok/s | SFI tok/s | SFI/dense | ceiling tok/s | slow / fast steps | "
+          "time fast / slow / selector / Python (s) |")
+
+
+def format_row(r: BenchRow) -> str:
+    return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {r.ceiling_tok_s:.1f} | "
+            f"{r.slow_steps} / {r.fast_steps} | {r.t_fast_s:.2f} / {r.t_slow_s:.2f} / {r.t_selector_s:.2f} / "
+            f"{r.t_python_s:.2f} |")
+
+
+def markdown_table(rows: Sequence[BenchRow]) -> str:
+    if not rows:
+        return ""
+    r0 = rows[0]
+    head = (f"{r0.hardware}, {r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
+            f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
+            f"commit {r0.git_commit}")
+    sep = "|---" * (HEADER.count("|") - 1) + "|"
+    return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
+
+
+def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    return path
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+def add_bench_parser(sub) -> None:
+    from .policy import POLICIES
+    from .random_model import SHAPES, WEIGHT_TYPES
+
+    p = sub.add_parser(
+        "bench", help="decode speed, dense vs SFI in one process, at several context depths",
+        description="Prefills D tokens of natural text, decodes N tokens teacher-forced on its continuation, "
+                    "densely and with SFI on the same cache, and prints tok/s, the ratio, the slow-step count, "
+                    "the time split and the ceiling (dense at a depth equal to the SFI memory).",
+        epilog="examples:\n  sfi-gguf bench -ngl 99                                   # Qwen3-4B shape, F16, "
+               "8K..128K\n  sfi-gguf bench -m qwen2.5-coder-0.5b-instruct --depths 4096 16384 -t 2   # CPU",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="qwen3-4b",
+                   help=f"a random-weight shape ({', '.join(s for s in SHAPES if not s.startswith('tiny'))}: "
+                        "written once, cached, with the default model's tokenizer), a known model name or a .gguf")
+    p.add_argument("--weight-type", default="f16", choices=WEIGHT_TYPES, help="weights of a random shape")
+    p.add_argument("--vocab-source", default=None,
+                   help="GGUF whose tokenizer a random shape copies (default: the default model)")
+    p.add_argument("--depths", type=int, nargs="+", default=list(DEFAULT_DEPTHS), help="context depths (tokens)")
+    p.add_argument("-n", "--n-decode", type=int, default=256, help="tokens decoded per run")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (99 = all)")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="auto: on with a GPU, off on the CPU (the faster dense setting there)")
+    p.add_argument("--k-head", type=int, default=2048)
+    p.add_argument("--n-sink", type=int, default=4)
+    p.add_argument("--n-recent", type=int, default=256)
+    p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
+    p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
+                                                 "when run from a checkout, else none)")
+    p.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args) -> int:
+    from .random_model import SHAPES, random_model
+
+    shape, weight_type = "", ""
+    model = args.model
+    if model in SHAPES:
+        shape, weight_type = model, args.weight_type
+        extra = {"vocab_source": args.vocab_source} if args.vocab_source else {}
+        model = random_model(model, weight_type=args.weight_type, **extra)
+    config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy)
+    rows = run_bench(model, model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
+                     n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                     flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config)
+    print()
+    print(markdown_table(rows))
+    out = args.json
+    if out is None:
+        results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+        if results.is_dir():
+            kind = "gpu" if args.n_gpu_layers else "cpu"
+            out = results / f"bench-{kind}-{shape or Path(str(model)).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if out:
+        print(f"wrote {write_json(rows, Path(out))}")
+    return 0
