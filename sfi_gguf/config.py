@@ -37,6 +37,10 @@ class SFIConfig:
     """Last cells of the context at a refresh, always attended."""
     min_context: int | None = None
     """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain)."""
+    n_candidates: int | None = None
+    """Cells per layer a slow step hands to the Selector, chosen on the device by head-summed evidence
+    (top-k in the graph), so that a long context's export is not copied and scored whole. None: 4 x
+    k_head once the context is more than twice that, else every cell; 0: always every cell."""
 
     # -- trigger policy ------------------------------------------------------------------------
     policy: str = "punctuation"
@@ -75,10 +79,18 @@ class SFIConfig:
     """Upper clip of the prior's mixing weight lambda* when there is one query row."""
     lambda_clip_multi: float = 0.25
     """Upper clip of lambda* with several query rows (GQA group and/or bootstrap rows)."""
+    pool_window: int | None = None
+    """Max-pool the evidence over this many neighbouring cells before scoring (0/1 = off; None: the
+    selector's default, 17 for "sfi", off for the "topk_mass" baseline): keeps the
+    span around a heavy cell (the value after the key a question names), see `selector.local_pool`.
+    Not in the paper; without it a needle's digits are lost (BENCHMARKS.md, "Quality evaluation")."""
     nms_window: int = 32
     """Soft-NMS window over positions (cells within +-window/2 compete)."""
-    nms_strength: float = 1.0
-    """Soft-NMS suppression strength a (0 = off)."""
+    nms_strength: float = 0.0
+    """Soft-NMS suppression strength a (0 = off). The paper uses 1.0; off by default here because
+    it drops the neighbours of today's peaks, which the next steps read: teacher-forced agreement
+    at 4K context, k_head 512, refresh every 16 steps 0.48 with it, 0.85 without
+    (BENCHMARKS.md, "Agreement upper bound")."""
     cross_head_alpha: float = 0.85
     """Strength of the cross-head exclusivity term (only used when a layer has > 2 KV heads)."""
     cross_head_temperature: float = 2.0
@@ -102,8 +114,12 @@ class SFIConfig:
             need(_is_int(value) and value >= 1, name, "must be an integer >= 1")
         need(self.k_head is None or (_is_int(self.k_head) and self.k_head >= 1), "k_head",
              "must be None (scaled to the context) or an integer >= 1")
+        need(self.pool_window is None or (_is_int(self.pool_window) and self.pool_window >= 0), "pool_window",
+             "must be None (the selector's default) or an integer >= 0")
         need(self.min_context is None or (_is_int(self.min_context) and self.min_context >= 0), "min_context",
              "must be None (n_sink + k_head + n_recent) or an integer >= 0")
+        need(self.n_candidates is None or (_is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
+             "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
         from .policy import POLICIES  # registries: a new policy or selector class is valid here at once
         from .selector import SELECTORS
 
@@ -124,6 +140,13 @@ class SFIConfig:
              "cross_head_temperature", "must be a finite number > 0")
 
     # -- derived quantities --------------------------------------------------------------------
+    def resolve_n_candidates(self, n_context: int) -> int:
+        """Device-side candidates per layer for a slow step at `n_context` cells (0: every cell)."""
+        if self.n_candidates is not None:
+            return self.n_candidates
+        n = 4 * self.resolve_k_head(n_context)
+        return n if n_context > 2 * n else 0
+
     def resolve_k_head(self, n_context: int) -> int:
         """Selected cells per KV head for a context of `n_context` cells.
 

@@ -93,6 +93,8 @@ if HAS_SFI:
     _get_mass = _bind("llama_sfi_get_mass", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
     _get_evidence = _bind("llama_sfi_get_evidence", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
     _get_key_norms = _bind("llama_sfi_get_key_norms", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+    _get_candidates = _bind("llama_sfi_get_candidates", [_ctx_p, _i32p, _i32p], _i32p)
     _get_n_query_rows = _bind("llama_sfi_get_n_query_rows", [_ctx_p], ctypes.c_int32)
     _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
     _status = _bind("llama_sfi_status", [_ctx_p], ctypes.c_uint32)
@@ -139,6 +141,7 @@ class SFINative:
                             ("export_key_norms", export_key_norms)):
             if value is not None:
                 setattr(p, name, value)
+        self._initialized = False  # a failed re-init may already have freed the previous state
         _check("llama_sfi_init", _init(self.ctx, ctypes.byref(p)))
         self.params = {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
         self._initialized = True
@@ -188,6 +191,10 @@ class SFINative:
         rc = _set_selection(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2])
         _check("llama_sfi_set_selection", rc)
 
+    def set_n_candidates(self, n_candidates: int) -> None:
+        """Slow steps export only this many candidate cells per layer, chosen on the device (0: all)."""
+        _check("llama_sfi_set_n_candidates", _set_n_candidates(self.ctx, int(n_candidates)))
+
     # -- exports --------------------------------------------------------------------------------
     def _export(self, fn, name: str) -> np.ndarray | None:
         nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
@@ -196,8 +203,11 @@ class SFINative:
             if not self._initialized:
                 raise SFIError(name, ERR_NOT_INIT)
             return None
-        shape = (nl.value, nh.value, nc.value)
-        return np.ctypeslib.as_array(ptr, shape=shape).copy()
+        # one memmove into a fresh array: np.ctypeslib.as_array would create (and ctypes cache forever) a
+        # new array type for every shape, and n_cells grows with the context
+        out = np.empty((nl.value, nh.value, nc.value), dtype=np.float32)
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
 
     def mass(self) -> np.ndarray | None:
         """[n_layers, n_head_kv, n_cells] of the last SLOW decode (None if there is none)."""
@@ -208,6 +218,17 @@ class SFINative:
 
     def key_norms(self) -> np.ndarray | None:
         return self._export(_get_key_norms, "llama_sfi_get_key_norms")
+
+    def candidates(self) -> np.ndarray | None:
+        """int32 [n_layers, n_cells]: the cells the last export's columns refer to (None: every cell,
+        column i is cell i)."""
+        nl, nc = ctypes.c_int32(), ctypes.c_int32()
+        ptr = _get_candidates(self.ctx, ctypes.byref(nl), ctypes.byref(nc))
+        if not ptr:
+            return None
+        out = np.empty((nl.value, nc.value), dtype=np.int32)
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
 
     def n_query_rows(self) -> int:
         return _check("llama_sfi_get_n_query_rows", _get_n_query_rows(self.ctx))

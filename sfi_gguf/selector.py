@@ -91,6 +91,8 @@ class AttentionExport:
     n_rows:    R = query positions x query heads per KV head (bootstrap: 16 x G; decode: G).
     positions: token position held by each cell, [n_cells] (-1: empty cell); None: cell i holds
                position i.
+    cells:     [L, C] when the device exported only C candidate cells per layer (long contexts): column
+               j of layer l is cell cells[l, j], and `positions` covers the whole cache.
     A selector reads only what it needs (SFI: evidence, key_norms; top-k mass: mass).
     """
 
@@ -100,6 +102,7 @@ class AttentionExport:
     n_rows: int = 1
     alpha: float = 0.5
     positions: np.ndarray | None = None
+    cells: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         shapes = {name: getattr(self, name).shape for name in ("mass", "evidence", "key_norms")
@@ -110,7 +113,11 @@ class AttentionExport:
             raise ValueError(f"AttentionExport arrays must share one [L, H, n_cells] shape, got {shapes}")
         if self.n_rows < 1:
             raise ValueError(f"AttentionExport.n_rows must be >= 1, got {self.n_rows}")
-        if self.positions is not None and np.shape(self.positions) != (self.shape[2],):
+        if self.cells is not None:
+            if np.shape(self.cells) != self.shape[::2] or self.positions is None:
+                raise ValueError(f"AttentionExport.cells must be [L, n_cells]={self.shape[::2]} and come with "
+                                 f"positions, got {np.shape(self.cells)}")
+        elif self.positions is not None and np.shape(self.positions) != (self.shape[2],):
             raise ValueError(f"AttentionExport.positions must be [n_cells={self.shape[2]}], "
                              f"got {np.shape(self.positions)}")
 
@@ -270,6 +277,21 @@ def sliding_max(x: np.ndarray, half: int, workspace: Workspace | None = None) ->
     return np.maximum(run[..., :n], run[..., width - span:width - span + n], out=spare[..., :n])
 
 
+def local_pool(f: np.ndarray, window: int, workspace: Workspace | None = None) -> np.ndarray:
+    """Stage 1b: f(k) <- max_{|j-k| <= w/2} f(j), renormalised (SnapKV-style max pooling).
+
+    Attention of the query rows lands on a few cells (e.g. the key a question names), while what the
+    following steps read is next to them (the value after the key). Pooling gives the neighbours of
+    a heavy cell its weight, so the selection keeps whole spans around the peaks.
+    """
+    if window <= 1:
+        return f
+    pooled = sliding_max(f, window // 2, workspace)
+    out = _buffer(workspace, "pooled", f.shape)
+    out[...] = pooled
+    return _normalise(out)
+
+
 def soft_nms(s: np.ndarray, window: int = 32, strength: float = 1.0,
              workspace: Workspace | None = None) -> np.ndarray:
     """Stage 4: s'(k) = s(k) - a max(0, max_{|j-k| <= w/2} s(j) - s(k)).
@@ -345,6 +367,8 @@ class Selector(ABC):
         k = min(k_head, number of candidate cells), the same for every head. Sink and recent cells are
         never in it (see `assemble_memory`). When every candidate fits, all are returned unscored.
         """
+        if export.cells is not None:
+            return self._select_from_device_candidates(export, candidates, k_head)
         n_layers, n_heads, _ = export.shape
         cells = export.candidate_cells(candidates)
         cell_ids = np.arange(cells.start, cells.stop) if isinstance(cells, slice) else cells
@@ -370,6 +394,31 @@ class Selector(ABC):
         else:
             for first in firsts:
                 run(first)
+        return out
+
+    def _select_from_device_candidates(self, export: AttentionExport, candidates: CandidateRange,
+                                       k_head: int) -> np.ndarray:
+        """Per layer, score the device's candidate cells that lie in `candidates`, in position order.
+
+        They are scored like a dense export of just those cells: the stages' windows (pooling,
+        soft-NMS) and the position prior see candidate ranks, not positions, an approximation that
+        only matters where candidates are sparse, i.e. far from the attention peaks.
+        """
+        n_layers, n_heads, _ = export.shape
+        positions = np.asarray(export.positions)
+        keeps = []
+        for layer in range(n_layers):
+            pos = positions[export.cells[layer]]
+            keep = np.flatnonzero((pos >= candidates.start) & (pos < candidates.stop))
+            keeps.append(keep[np.argsort(pos[keep], kind="stable")])
+        k = min([int(k_head)] + [len(keep) for keep in keeps])
+        out = np.empty((n_layers, n_heads, k), dtype=np.int32)
+        for layer, keep in enumerate(keeps):
+            arrays = {name: None if getattr(export, name) is None else getattr(export, name)[layer:layer + 1][..., keep]
+                      for name in ("mass", "evidence", "key_norms")}
+            sub = AttentionExport(**arrays, n_rows=export.n_rows, alpha=export.alpha)
+            best = self.select(sub, CandidateRange(0, len(keep)), k)[0]  # indices into keep
+            out[layer] = np.sort(export.cells[layer][keep][best], axis=-1)
         return out
 
     def _workspace(self) -> Workspace:
@@ -410,9 +459,10 @@ class SFISelector(Selector):
     def __init__(self, *, alpha: float = 0.5, gamma: float = 0.5, w_l2: float = 1.0, w_pos: float = 0.7,
                  pos_power: float = 1.8, pos_eta: float = 0.4, pos_beta: float = -math.log(0.6) / 0.9,
                  lambda_clip_single: float = 0.35, lambda_clip_multi: float = 0.25, nms_window: int = 32,
-                 nms_strength: float = 1.0, cross_head_alpha: float = 0.85, cross_head_temperature: float = 2.0,
-                 n_threads: int | None = None):
+                 nms_strength: float = 0.0, cross_head_alpha: float = 0.85, cross_head_temperature: float = 2.0,
+                 pool_window: int = 17, n_threads: int | None = None):
         super().__init__(n_threads)
+        self.pool_window = pool_window
         self.alpha = alpha
         self.prior = dict(gamma=gamma, w_l2=w_l2, w_pos=w_pos, pos_beta=pos_beta, pos_power=pos_power,
                           pos_eta=pos_eta)
@@ -429,7 +479,8 @@ class SFISelector(Selector):
                    pos_power=config.pos_power, pos_eta=config.pos_eta, pos_beta=config.pos_beta,
                    lambda_clip_single=config.lambda_clip_single, lambda_clip_multi=config.lambda_clip_multi,
                    nms_window=config.nms_window, nms_strength=config.nms_strength,
-                   cross_head_alpha=config.cross_head_alpha, cross_head_temperature=config.cross_head_temperature)
+                   cross_head_alpha=config.cross_head_alpha, cross_head_temperature=config.cross_head_temperature,
+                   **({} if config.pool_window is None else {"pool_window": config.pool_window}))
 
     def lambda_max(self, n_rows: int) -> float:
         return self.lambda_clip_single if n_rows == 1 else self.lambda_clip_multi
@@ -438,6 +489,7 @@ class SFISelector(Selector):
         if not math.isclose(export.alpha, self.alpha):
             raise ValueError(f"the evidence was exported with alpha={export.alpha}, the selector uses {self.alpha}")
         f = power_mean_evidence(export.require("evidence")[layers][..., cells], export.n_rows, self.alpha, workspace)
+        f = local_pool(f, self.pool_window, workspace)
         r = structural_prior(export.require("key_norms")[layers][..., cells], **self.prior, workspace=workspace)
         q, _ = mix_evidence_and_prior(f, r, self.lambda_max(export.n_rows), workspace)
         s = np.log(np.maximum(q, _TINY, out=q), out=q)  # floor: no -inf, so no inf - inf in soft-NMS
@@ -454,8 +506,17 @@ class TopKMassSelector(Selector):
 
     name = "topk_mass"
 
+    def __init__(self, pool_window: int = 0, n_threads: int | None = None):
+        super().__init__(n_threads)
+        self.pool_window = pool_window
+
+    @classmethod
+    def from_config(cls, config):
+        return cls(pool_window=config.pool_window or 0)
+
     def score(self, export, layers, cells, workspace=None):
-        return np.asarray(export.require("mass")[layers][..., cells], dtype=_F32)
+        mass = np.asarray(export.require("mass")[layers][..., cells], dtype=_F32)
+        return local_pool(mass, self.pool_window, workspace) if self.pool_window > 1 else mass
 
 
 # -- using selections ---------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class SFIStepper:
         self._selected: np.ndarray | None = None  # last Selector output [L, H, k] (candidate cells)
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
+        self._n_candidates = None       # what the native side was last told (set_n_candidates)
 
     # -- budgets ----------------------------------------------------------------------------------
     def _k_head(self, n_context: int) -> int:
@@ -97,7 +98,11 @@ class SFIStepper:
             self._load_memory(self._no_selection())
             return decoded
         # the final chunk of the prefill is the bootstrap slow step: its last (up to
-        # n_prefill_queries) tokens are the query rows of the export
+        # n_prefill_queries) tokens are the query rows of the export. When the cache already holds
+        # the prompt (prefix reuse: another policy ran on it, or a multi-turn call), re-decode those
+        # rows, so the bootstrap sees the same query rows as after a fresh prefill.
+        self.ctx.truncate(min(len(self.ctx.tokens), n - min(n, self.config.n_prefill_queries)))
+        self._n_prompt = n
         decoded = self.ctx.prefill(tokens, progress=progress, before_last_chunk=self._begin_bootstrap)
         self.stats.t_slow += time.perf_counter() - self._t_bootstrap
         self.stats.n_bootstrap += 1
@@ -107,10 +112,12 @@ class SFIStepper:
     def step(self, token: int) -> None:
         self._n_step += 1
         slow = self.policy.on_token(token)
+        reason = self.policy.reason if slow else None
         n_after = len(self.ctx.tokens) + 1
         if not self._sparse:
             if self._wants_sparse(n_after):  # the context just grew past the threshold
                 slow = self.policy.memory is not MemoryMode.SINK_RECENT
+                reason = "threshold"  # counted like the policy's reasons: sum(reasons) == n_slow
                 if not slow:
                     self._load_memory(self._no_selection())
             else:
@@ -120,12 +127,12 @@ class SFIStepper:
         if self._sparse and not slow and self._tail >= self.native.params["n_tail_max"]:
             self._cheap_refresh()
         if slow:
-            self.native.set_mode(SFINative.SLOW)
+            self._set_slow(n_after)
             self._timed_decode(token, "t_slow")
             self.stats.n_slow += 1
             self.stats.slow_steps.append(self._n_step)
-            if self.policy.reason:
-                self.stats.reasons[self.policy.reason] = self.stats.reasons.get(self.policy.reason, 0) + 1
+            if reason:
+                self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
             self._refresh_from_export()
             return
         self._timed_decode(token, "t_fast")
@@ -143,8 +150,15 @@ class SFIStepper:
         stats.sfi = self.stats
 
     # -- internals --------------------------------------------------------------------------------
-    def _begin_bootstrap(self) -> None:
+    def _set_slow(self, n_context: int) -> None:
+        n_candidates = self.config.resolve_n_candidates(n_context)
+        if n_candidates != self._n_candidates:
+            self.native.set_n_candidates(n_candidates)
+            self._n_candidates = n_candidates
         self.native.set_mode(SFINative.SLOW)
+
+    def _begin_bootstrap(self) -> None:
+        self._set_slow(self._n_prompt)
         self._t_bootstrap = time.perf_counter()
 
     def _timed_decode(self, token: int, bucket: str) -> None:
@@ -169,7 +183,8 @@ class SFIStepper:
             return
         export = AttentionExport(mass=mass, evidence=self.native.evidence(), key_norms=self.native.key_norms(),
                                  n_rows=self.native.n_query_rows() * self._group_size(),
-                                 alpha=self.native.params["evidence_alpha"], positions=positions[: mass.shape[2]])
+                                 alpha=self.native.params["evidence_alpha"],
+                                 **self._cells_and_positions(positions, mass.shape[2]))
         candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
         selected = self.selector.select(export, candidates, k_head)
         if self._selected is not None and self._selected.shape[:2] == selected.shape[:2]:
@@ -179,6 +194,12 @@ class SFIStepper:
         self._load_memory(selected, positions, candidates)
         self.stats.t_selector += time.perf_counter() - t0
         self.policy.note_refresh()
+
+    def _cells_and_positions(self, positions: np.ndarray, n_cells: int) -> dict:
+        cells = self.native.candidates()
+        if cells is None:  # column i is cell i
+            return {"positions": positions[:n_cells]}
+        return {"positions": positions, "cells": cells}
 
     def _cheap_refresh(self) -> None:
         """Same selected cells, recent window moved to now: no slow step (tail would overflow)."""

@@ -242,7 +242,7 @@ def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_
 # -- API and errors --------------------------------------------------------------------------------
 
 def test_version_and_default_params():
-    assert lib.llama_sfi_version() == 2
+    assert lib.llama_sfi_version() == 3
     p = native.default_params()
     assert p["n_sel_max"] > 0 and p["n_tail_max"] > 0 and p["n_query_rows"] == 1
 
@@ -590,6 +590,50 @@ def test_mass_matches_softmax(tiny, rows, flash_attn):
     finally:
         for x in (ref, c, d):
             x.close()
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_candidate_export_matches_full_export(tiny, flash_attn):
+    """With candidates, a slow step exports the n cells of most head-summed evidence, with the values a
+    full export has at those cells (chosen and gathered on the device)."""
+    P, n = 200, 48
+    c = Ctx(tiny, flash_attn=flash_attn)
+    d = Ctx(tiny, flash_attn=flash_attn)
+    try:
+        toks = tokens_for(tiny, P + 1, seed=11)
+        c.decode(toks[:P])
+        d.decode(toks[:P])
+        full, cand = SFINative(c.ctx), SFINative(d.ctx)
+        cand.set_n_candidates(n)
+        for sfi in (full, cand):
+            sfi.set_mode(sfi.SLOW)
+        c.decode(toks[P:])
+        d.decode(toks[P:])
+        assert np.array_equal(c.logits(), d.logits())  # still an exact dense step
+        assert full.candidates() is None
+        cells = cand.candidates()
+        L, H, _ = full.mass().shape
+        assert cells.shape == (L, n) and cand.mass().shape == (L, H, n) == cand.key_norms().shape
+        score = full.evidence().sum(1)  # [L, n_cells]
+        for i in range(L):
+            assert len(set(cells[i].tolist())) == n and np.all(full.cell_pos()[cells[i]] >= 0)
+            best = np.sort(score[i])[::-1][:n]  # the n best scores (ties may pick other cells)
+            np.testing.assert_allclose(np.sort(score[i][cells[i]])[::-1], best, rtol=1e-5)
+            for name in ("mass", "evidence", "key_norms"):
+                np.testing.assert_allclose(getattr(cand, name)()[i], getattr(full, name)()[i][:, cells[i]],
+                                           rtol=1e-5, atol=1e-7)
+        # more candidates than cells: every (padded) cell; 0: back to the full export
+        cand.set_n_candidates(10**6)
+        d.decode([5])
+        assert cand.candidates().shape[1] == cand.mass().shape[2] == full.mass().shape[2]
+        cand.set_n_candidates(0)
+        d.decode([6])
+        assert cand.candidates() is None and cand.mass().shape[2] == full.mass().shape[2]
+        with pytest.raises(SFIError):
+            cand.set_n_candidates(-1)
+    finally:
+        c.close()
+        d.close()
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)

@@ -7,7 +7,7 @@ import pytest
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.selector import (
     SELECTORS, AttentionExport, CandidateRange, SFISelector, TopKMassSelector, Workspace, assemble_memory,
-    cross_head_exclusivity, make_selector, mix_evidence_and_prior, power_mean_evidence, refresh_overlap,
+    cross_head_exclusivity, local_pool, make_selector, mix_evidence_and_prior, power_mean_evidence, refresh_overlap,
     selector_names, sliding_max, soft_nms, structural_prior, top_k_per_row,
 )
 
@@ -215,7 +215,7 @@ def test_sfi_scores_match_the_direct_pipeline(n_heads):
     rng = np.random.default_rng(9)
     export, p = make_export(rng, n_layers=2, n_heads=n_heads, n_cells=120, n_rows=3)
     candidates = CandidateRange(4, 100)
-    sel = SFISelector(n_threads=1)
+    sel = SFISelector(n_threads=1, nms_strength=1.0, pool_window=0)  # the paper's pipeline
     got = sel.score(export, slice(0, 2), slice(4, 100))
     for layer in range(2):
         want = np.stack([direct_scores(p[layer, h, :, 4:100], export.key_norms[layer, h, 4:100])
@@ -304,10 +304,42 @@ def test_soft_nms_spreads_the_budget_over_separate_regions():
                              evidence=np.sqrt(mass)[None, None].astype(np.float32),  # one row: p^0.5
                              key_norms=np.ones((1, 1, n), dtype=np.float32))
     candidates = CandidateRange(0, n)
-    without = SFISelector(nms_strength=0.0, w_pos=0.0).select(export, candidates, 6)[0, 0]
-    with_nms = SFISelector(w_pos=0.0).select(export, candidates, 6)[0, 0]
+    without = SFISelector(nms_strength=0.0, w_pos=0.0, pool_window=0).select(export, candidates, 6)[0, 0]
+    with_nms = SFISelector(nms_strength=1.0, w_pos=0.0, pool_window=0).select(export, candidates, 6)[0, 0]
     assert without.tolist() in ([117, 118, 119, 120, 121, 122], [118, 119, 120, 121, 122, 123])
     assert with_nms.tolist() == [118, 119, 120, 121, 122, 300]
+
+
+@pytest.mark.parametrize("window", [1, 4, 9, 17])
+def test_local_pool_matches_formula(window):
+    rng = np.random.default_rng(21)
+    f = rng.random((2, 3, 50)).astype(np.float32)
+    got = local_pool(f.copy(), window)
+    half = window // 2
+    want = np.empty_like(f)
+    for idx in np.ndindex(2, 3):
+        for k in range(50):
+            want[idx + (k,)] = f[idx][max(0, k - half):k + half + 1].max()
+        if window > 1:
+            want[idx] /= want[idx].sum()
+    np.testing.assert_allclose(got, want if window > 1 else f, rtol=1e-5)
+
+
+def test_pooling_keeps_the_span_after_the_attended_key():
+    """A question attends to the key (cells 200-202); the answer reads the value right after it."""
+    n = 600
+    rng = np.random.default_rng(22)
+    mass = rng.uniform(1e-4, 1e-3, n)
+    mass[200:203] = 1.0
+    mass[rng.choice(np.arange(20, 180), 12, replace=False)] = 0.2  # scattered weaker peaks
+    export = AttentionExport(mass=mass[None, None].astype(np.float32),
+                             evidence=np.sqrt(mass)[None, None].astype(np.float32),
+                             key_norms=np.ones((1, 1, n), dtype=np.float32))
+    value = set(range(203, 211))
+    for selector in (SFISelector, TopKMassSelector):
+        plain = set(selector(pool_window=0).select(export, CandidateRange(4, n), 24)[0, 0].tolist())
+        pooled = set(selector(pool_window=17).select(export, CandidateRange(4, n), 24)[0, 0].tolist())
+        assert not value <= plain and value <= pooled
 
 
 def test_zero_evidence_gives_finite_scores():
@@ -376,3 +408,31 @@ def test_registry_and_config():
     assert isinstance(make_selector(config.replace(selector="topk_mass")), TopKMassSelector)
     with pytest.raises(ValueError, match="unknown selector"):
         make_selector(config, "nope")
+
+
+def test_device_candidates_covering_every_cell_select_like_a_dense_export():
+    """An export of C device candidates per layer (any order) that include every cell selects exactly
+    what the dense export selects; a subset selects only among its cells."""
+    rng = np.random.default_rng(7)
+    L, H, N, k = 3, 2, 300, 40
+    evidence = rng.random((L, H, N), dtype=np.float32) ** 4
+    norms = 1 + rng.random((L, H, N), dtype=np.float32)
+    dense = AttentionExport(evidence=evidence, key_norms=norms, n_rows=4, alpha=0.5)
+    candidates = CandidateRange.for_context(N, 4, 32)
+    selector = SFISelector(n_threads=1)
+    want = selector.select(dense, candidates, k)
+    order = np.stack([rng.permutation(N) for _ in range(L)]).astype(np.int32)
+    sparse = AttentionExport(evidence=np.take_along_axis(evidence, order[:, None, :], -1),
+                             key_norms=np.take_along_axis(norms, order[:, None, :], -1), n_rows=4, alpha=0.5,
+                             positions=np.arange(N), cells=order)
+    np.testing.assert_array_equal(selector.select(sparse, candidates, k), want)
+    subset = order[:, :120]
+    part = AttentionExport(evidence=np.take_along_axis(evidence, subset[:, None, :], -1),
+                           key_norms=np.take_along_axis(norms, subset[:, None, :], -1), n_rows=4, alpha=0.5,
+                           positions=np.arange(N), cells=subset)
+    got = selector.select(part, candidates, k)
+    for layer in range(L):
+        inside = set(subset[layer][(subset[layer] >= candidates.start) & (subset[layer] < candidates.stop)].tolist())
+        assert set(got[layer].ravel().tolist()) <= inside
+    with pytest.raises(ValueError, match="cells"):
+        AttentionExport(evidence=evidence, cells=order)  # cells need positions
