@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs ON the GPU machine (device tool), from the repo root, after scripts/make_gpu_bundle.sh here:
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
-# Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all)
+# Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
+#   diag, and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -9,6 +10,7 @@ OUT=${OUT:-$PWD/.gpu-out}; mkdir -p "$OUT"
 export SFI_GGUF_CACHE=$PWD/.gpu-cache      # kept between calls while the machine stays warm
 export PYTHONUNBUFFERED=1
 stages=${*:-build tests overhead native bench}
+[[ " $stages " == *" multigpu "* ]] && stages="$stages multigpu-tests multigpu-bench"
 log() { echo "== $(date +%T) $*"; }
 
 if [[ " $stages " == *" build "* ]]; then
@@ -63,7 +65,27 @@ fi
 if [[ " $stages " == *" bench "* ]]; then
     log "sfi-gguf bench: dense vs SFI (Qwen3-4B shape, F16)"
     python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
-        --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} --json "$OUT/bench-h200-qwen3-4b-f16.json" \
+        --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} --json "$OUT/bench-h200-qwen3-4b-f16.json" --markdown "$OUT/bench-h200-qwen3-4b-f16.md" \
         2>&1 | grep -v "^load:" | tail -20
+fi
+if [[ " $stages " == *" multigpu-tests "* ]]; then
+    log "multi-GPU tests: layer split over 2 GPUs ($(nvidia-smi -L | wc -l) GPUs on this host)"
+    SFI_TEST_GPUS=2 SFI_VOCAB_SOURCE=$PWD/.gpu/vocab.gguf python3 -m pytest -q -rs -p no:cacheprovider \
+        tests/test_multi_gpu.py 2>&1 | tee "$OUT/multigpu-tests.log" | tail -15
+    log "native tests, layers split over 2 GPUs (llama.cpp's default layer split)"
+    SFI_TEST_GPUS=2 SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_native.py \
+        2>&1 | tee "$OUT/multigpu-native-tests.log" | tail -15
+fi
+if [[ " $stages " == *" multigpu-bench "* ]]; then
+    bench8b() {  # same model, depths and options on 2 GPUs and on 1; the JSON rows say split_mode and n_gpus
+        local tag=$1; shift
+        python3 -m sfi_gguf.cli bench -m qwen3-8b --weight-type q4_k_m --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+            --depths ${SFI_BENCH_DEPTHS:-32768 131072} -n ${SFI_BENCH_N:-256} "$@" \
+            --json "$OUT/bench-h200$tag-qwen3-8b-q4_k_m.json" 2>&1 | grep -v "^load:" | tail -8
+    }
+    log "sfi-gguf bench: Qwen3-8B shape Q4_K_M, layers split over 2 GPUs"
+    bench8b x2 --split-mode layer
+    log "sfi-gguf bench: Qwen3-8B shape Q4_K_M, 1 GPU"
+    CUDA_VISIBLE_DEVICES=0 bench8b x1 --split-mode none
 fi
 log done

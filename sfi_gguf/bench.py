@@ -57,6 +57,8 @@ class BenchRow:
     policy: str
     git_commit: str
     batch: int = 1
+    split_mode: str = "layer"
+    n_gpus: int = 0                # GPUs holding layers (llama.cpp's device count; 0 on the CPU)
 
 
 def git_commit() -> str:
@@ -68,13 +70,14 @@ def git_commit() -> str:
         return "unknown"
 
 
-def hardware(n_gpu_layers: int) -> str:
+def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
     if n_gpu_layers:
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                  text=True, timeout=10)
             if out.returncode == 0 and out.stdout.strip():
-                return out.stdout.strip().splitlines()[0]
+                name = out.stdout.strip().splitlines()[0]
+                return f"{n_gpus}x {name}" if n_gpus > 1 else name
         except (OSError, subprocess.SubprocessError):
             pass
     return f"CPU {platform.processor() or platform.machine()}"
@@ -113,17 +116,21 @@ def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) ->
 def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
               n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
               flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
-              log: Callable[[str], None] = print) -> list[BenchRow]:
+              split_mode: str = "layer", log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth."""
     from .context import default_threads
+    from .devices import gpu_count
     from .llama import SFILlama
 
     config = config or SFIConfig(k_head=2048)
     depths = sorted(int(d) for d in depths)
     n_ctx = depths[-1] + n_decode + 64
+    if flash_attn is None:  # the faster dense setting: flash attention on a GPU, plain attention on a CPU
+        flash_attn = n_gpu_layers != 0
     llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads, n_batch=n_batch,
-                   flash_attn=flash_attn, progress=True, sfi=config)
+                   flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode)
     ctx = llm.context
+    n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
     try:
         text = text_tokens(llm, depths[-1] + n_decode)
         budget_depth = config.n_sink + config.resolve_k_head(depths[-1]) + config.n_recent
@@ -149,7 +156,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
             s = stepper.stats if hasattr(stepper, "stats") else None
             native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
             row = BenchRow(
-                hardware=hardware(n_gpu_layers), model=Path(str(llm.model_path)).name, model_shape=model_shape,
+                hardware=hardware(n_gpu_layers, n_gpus), model=Path(str(llm.model_path)).name, model_shape=model_shape,
                 weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
                 budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
                 dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,
@@ -158,7 +165,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
                 t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
                 t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
                 flash_attn=ctx.flash_attn, n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(),
-                policy=config.policy, git_commit=commit)
+                policy=config.policy, git_commit=commit, split_mode=split_mode, n_gpus=n_gpus)
             rows.append(row)
             log(format_row(row))
         return rows
@@ -218,6 +225,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("-n", "--n-decode", type=int, default=256, help="tokens decoded per run")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (99 = all)")
     p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-sm", "--split-mode", choices=["layer", "none"], default="layer",
+                   help="several GPUs: layer (whole layers per GPU, llama.cpp's default) or none (one GPU)")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="auto: on with a GPU, off on the CPU (the faster dense setting there)")
     p.add_argument("--k-head", type=int, default=2048)
@@ -226,6 +235,7 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
+    p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
     p.set_defaults(func=_cmd_bench)
 
 
@@ -241,9 +251,12 @@ def _cmd_bench(args) -> int:
     config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy)
     rows = run_bench(model, model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                      n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                     flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config)
+                     flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
+                     split_mode=args.split_mode)
     print()
     print(markdown_table(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(rows) + "\n")
     out = args.json
     if out is None:
         results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"

@@ -14,8 +14,8 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--n-ctx", type=int, default=4096, help="context size in tokens (0 = model's maximum)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1 = all)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
-                   help="flash attention (auto: on when layers are on a GPU, off on the CPU, where it is slower)")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="on",
+                   help="flash attention (off: faster on CPUs at long context; SFI works either way)")
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
@@ -37,7 +37,7 @@ def _add_sfi_args(p: argparse.ArgumentParser) -> None:
 
 
 def _flash_attn(args: argparse.Namespace) -> bool | None:
-    return {"auto": None, "on": True, "off": False}[args.flash_attn]
+    return args.flash_attn == "on"
 
 
 def _sfi_from_args(args: argparse.Namespace):

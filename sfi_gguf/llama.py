@@ -16,6 +16,10 @@ from .sampling import Sampler, SamplingParams
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
 
+# With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
+# it, SFI on the H200 measured slower than dense decoding (BENCHMARKS.md, "Speed on the GPU").
+GPU_MIN_CONTEXT = 65536
+
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
 
@@ -30,15 +34,21 @@ class SFILlama:
     `sfi`: an `SFIConfig` (default: `SFIConfig()`, the method with its published defaults), a policy
     name ("punctuation", "fixed", "static", "sink_recent", "dense"), a dict of SFIConfig fields, or
     False for plain dense decoding.
-    `flash_attn` None (default) means on when layers are offloaded to a GPU and off on the CPU, where
-    ggml's flash attention reads the KV cache once per query head and the plain path is faster; SFI
-    works either way.
+    `flash_attn`: SFI works with it on or off. Off is the faster path on CPUs at long context (ggml's
+    CPU flash attention reads the KV cache once per query head), but then a prompt served from the
+    cache (its last token re-decoded alone) may continue differently from a fresh prefill after some
+    tokens, as in llama.cpp; on (the default) keeps repeated greedy calls identical.
+    `split_mode` ("layer", the default, "row" or "none"), `main_gpu` and `tensor_split` place the
+    offloaded layers on several GPUs as in llama-cpp-python's `Llama`; SFI needs whole layers on one
+    device ("layer" or "none"). `rpc_servers` ("host:port" of llama.cpp `rpc-server` processes, a list
+    or comma-separated; needs a library built with GGML_RPC) adds their devices before the local GPUs.
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
                  n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int = 512,
-                 flash_attn: bool | None = None, verbose: bool = False, progress: bool = False,
-                 sfi: SFIConfig | str | bool | None = True):
+                 flash_attn: bool = True, verbose: bool = False, progress: bool = False,
+                 sfi: SFIConfig | str | bool | None = True, split_mode: str = "layer", main_gpu: int = 0,
+                 tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None):
         if n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0 = the model's training context), got {n_ctx}")
         if n_batch < 1:
@@ -46,12 +56,14 @@ class SFILlama:
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
         self.sfi_config = _sfi_config(sfi)
-        if flash_attn is None:
-            flash_attn = n_gpu_layers != 0
+        self.split_mode = split_mode
+        _check_split(self.sfi_config, split_mode)
+        self.n_gpu_layers = n_gpu_layers
         self.model_path = resolve_model_path(model_path)
         self.progress = progress
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
-                                 n_batch=n_batch, flash_attn=flash_attn, verbose=verbose)
+                                 n_batch=n_batch, flash_attn=flash_attn, verbose=verbose, split_mode=split_mode,
+                                 main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers)
         try:
             _check_fits(self.sfi_config, self._ctx.n_ctx)
         except ValueError:
@@ -154,6 +166,11 @@ class SFILlama:
                 self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
             return DenseStepper(self._ctx)
         _check_fits(config, self.n_ctx)
+        _check_split(config, self.split_mode)
+        if self.n_gpu_layers and config.min_context is None:
+            # on a GPU a dense step is cheap until the context is long, and the slow steps and the
+            # Selector cost more than the fast steps save below ~64K cells (BENCHMARKS.md, GPU speed)
+            config = dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
         from .boundary import PieceTable
         from .policy import make_policy
         from .selector import make_selector
@@ -291,6 +308,14 @@ def _check_fits(config: SFIConfig, n_ctx: int) -> None:
     if config.policy != "dense" and config.k_head is not None and config.k_head > n_ctx:
         raise ValueError(f"SFIConfig.k_head={config.k_head}: larger than the context (n_ctx={n_ctx}); "
                          "use k_head <= n_ctx, or k_head=None to scale it to the context")
+
+
+def _check_split(config: SFIConfig, split_mode: str) -> None:
+    """SFI gathers each layer's selected cells on the device that holds the layer's KV cache; with
+    split_mode "row" the matrices of a layer are split across GPUs, a layout SFI is not built or tested for."""
+    if config.policy != "dense" and split_mode == "row":
+        raise ValueError("split_mode='row' is not supported with SFI; use split_mode='layer' (whole layers per GPU, "
+                         "the default) or 'none', or sfi=False for dense decoding")
 
 
 def _closing(pieces: Iterator[str], sampler: Sampler, owner: "SFILlama", generation: int) -> Iterator[str]:

@@ -34,10 +34,10 @@ SHAPES = {
                        vocab="copy", n_ctx_train=40960, rope_theta=1000000.0, weight_type="q8_0",
                        share_layer_weights=True),
     "qwen3-4b": dict(arch="qwen3", n_layer=36, n_embd=2560, n_head=32, n_head_kv=8, head_dim=128, n_ff=9728,
-                     vocab="copy", n_ctx_train=131072, rope_theta=1000000.0, weight_type="q8_0",
+                     vocab="copy", n_ctx_train=262144, rope_theta=1000000.0, weight_type="q8_0",
                      share_layer_weights=True),
     "qwen3-8b": dict(arch="qwen3", n_layer=36, n_embd=4096, n_head=32, n_head_kv=8, head_dim=128, n_ff=12288,
-                     vocab="copy", n_ctx_train=131072, rope_theta=1000000.0, weight_type="q4_k_m",
+                     vocab="copy", n_ctx_train=262144, rope_theta=1000000.0, weight_type="q4_k_m",
                      share_layer_weights=True),
 }
 

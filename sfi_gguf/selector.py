@@ -201,7 +201,7 @@ def position_log_prior(n: int, beta: float, power: float, eta: float) -> np.ndar
     return -beta * u ** power + eta * np.log1p(-u)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=256)  # device candidates: one candidate count per layer
 def _position_factor(n: int, beta: float, power: float, eta: float, weight: float) -> np.ndarray:
     """delta(u)^weight over n candidates, float32, computed once per candidate count (read-only)."""
     factor = np.exp(weight * position_log_prior(n, beta, power, eta)).astype(_F32)
@@ -413,12 +413,21 @@ class Selector(ABC):
             keeps.append(keep[np.argsort(pos[keep], kind="stable")])
         k = min([int(k_head)] + [len(keep) for keep in keeps])
         out = np.empty((n_layers, n_heads, k), dtype=np.int32)
-        for layer, keep in enumerate(keeps):
+
+        def run(layer: int) -> None:
+            keep = keeps[layer]
             arrays = {name: None if getattr(export, name) is None else getattr(export, name)[layer:layer + 1][..., keep]
                       for name in ("mass", "evidence", "key_norms")}
             sub = AttentionExport(**arrays, n_rows=export.n_rows, alpha=export.alpha)
             best = self.select(sub, CandidateRange(0, len(keep)), k)[0]  # indices into keep
             out[layer] = np.sort(export.cells[layer][keep][best], axis=-1)
+
+        if self.n_threads > 1 and n_layers > 1:
+            with ThreadPoolExecutor(self.n_threads) as pool:
+                list(pool.map(run, range(n_layers)))
+        else:
+            for layer in range(n_layers):
+                run(layer)
         return out
 
     def _workspace(self) -> Workspace:

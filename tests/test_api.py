@@ -123,7 +123,7 @@ def test_chat_equals_llama_cpp_python(llm):
     """Same prompt (the GGUF's Jinja template), same greedy answer, same dict and chunk shapes."""
     from llama_cpp import Llama
 
-    ref = Llama(str(ensure_model()), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=False,
+    ref = Llama(str(ensure_model()), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=True,
                 verbose=False)
     expected = ref.create_chat_completion(CHAT, max_tokens=8, temperature=0)
     expected_chunks = list(ref.create_chat_completion(CHAT, max_tokens=8, temperature=0, stream=True))

@@ -31,7 +31,7 @@ def test_greedy_generation_is_deterministic(llm):
 def test_greedy_equals_llama_cpp_python(llm):
     from llama_cpp import Llama
 
-    ref = Llama(str(ensure_model()), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=False,
+    ref = Llama(str(ensure_model()), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=True,
                 verbose=False, seed=0)
     expected = ref(PROMPT, max_tokens=48, temperature=0.0)["choices"][0]["text"]
     got = llm.generate(PROMPT, max_tokens=48, temperature=0)

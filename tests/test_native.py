@@ -362,7 +362,9 @@ def test_all_cells_permuted_256_steps(tiny):
     out = run_pair(tiny, 300, 256, lambda sfi, n: all_cells(sfi, n, rng), n_tail_max=256)
     d = max(float(np.abs(la - lb).max()) for la, lb in out)
     assert d < tol, d
-    assert all(la.argmax() == lb.argmax() for la, lb in out)
+    for la, lb in out:  # the same argmax, unless dense's top two are closer than the tolerance
+        top2 = np.sort(la)[-2:]
+        assert la.argmax() == lb.argmax() or top2[1] - top2[0] < 2 * tol
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
