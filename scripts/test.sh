@@ -7,10 +7,12 @@ PY=${PYTHON:-python3}
 bash scripts/setup.sh
 "$PY" -m pip install -q "pytest>=7" "gguf>=0.10" "openai>=1.0"
 "$PY" -m sfi_gguf.cli model all > /dev/null   # fetch + verify the real models once, before the timed tests
-# our suite, then llama-cpp-python 0.3.36's own suite against our patched library (proof we broke nothing)
+# our suite, then llama-cpp-python 0.3.36's own suite against our patched library (proof we broke nothing),
+# then SFI over llama.cpp's RPC backend (a second, RPC-enabled build, cached: ~3-4 min the first time)
 status=0
 "$PY" -m pytest -q -p no:cacheprovider "$@" || status=$?
 if [ $# -eq 0 ]; then
     bash scripts/test_llama_cpp_python.sh -q || status=$?
+    [ "${SFI_SKIP_RPC:-0}" = 1 ] || bash scripts/rpc_check.sh -q || status=$?
 fi
 exit $status

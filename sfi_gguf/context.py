@@ -17,11 +17,23 @@ from ._progress import Progress
 
 
 class ContextError(RuntimeError):
-    """llama.cpp refused an operation (decode failure, allocation failure)."""
+    """llama.cpp refused an operation (decode failure, allocation failure), or the context is closed."""
 
 
 def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
+
+
+def _available_memory() -> int | None:
+    """MemAvailable + free swap from /proc/meminfo in bytes (None where there is no /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.split()[1:]}
+    except (OSError, ValueError, IndexError):
+        return None
+    if "MemAvailable" not in info:
+        return None
+    return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
 class LlamaContext:
@@ -33,8 +45,12 @@ class LlamaContext:
 
     KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30, "f32": 0}
 
+    SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
+
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
-                 n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16"):
+                 n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
+                 main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
+                 rpc_servers: Sequence[str] | None = None):
         llama_cpp._logger.set_verbose(verbose)
         llama_cpp.llama_backend_init()
         self.model = None
@@ -42,6 +58,7 @@ class LlamaContext:
         self._batch = None
         mparams = llama_cpp.llama_model_default_params()
         mparams.n_gpu_layers = int(n_gpu_layers)
+        self._set_devices(mparams, split_mode, main_gpu, tensor_split, rpc_servers)
         model = llama_cpp.llama_model_load_from_file(str(model_path).encode(), mparams)
         if not model:
             raise ValueError(f"llama.cpp could not load the model {model_path} (corrupt or unsupported GGUF); "
@@ -56,6 +73,11 @@ class LlamaContext:
         if n_ctx > self.n_ctx_train:
             self.close()
             raise ValueError(f"n_ctx={n_ctx} is above the model's training context ({self.n_ctx_train})")
+        try:
+            self._check_memory(n_ctx, n_gpu_layers, type_kv)
+        except MemoryError:
+            self.close()
+            raise
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx
@@ -82,6 +104,58 @@ class LlamaContext:
         self.memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.tokens: list[int] = []
+
+    def _set_devices(self, mparams, split_mode: str, main_gpu: int, tensor_split, rpc_servers) -> None:
+        """Which devices hold the offloaded layers, as llama-cpp-python's Llama sets them (plus RPC servers).
+
+        split_mode "layer" (default): whole layers (and their KV cache) spread over the devices in the
+        proportions of tensor_split (default: by free memory); "row": matrices split by rows across the
+        GPUs; "none": everything on device main_gpu. rpc_servers ("host:port" of llama.cpp rpc-server
+        processes, a list or comma-separated) puts their devices first in the list (sfi_gguf.devices).
+        """
+        if split_mode not in self.SPLIT_MODES:
+            raise ValueError(f"split_mode must be one of {', '.join(self.SPLIT_MODES)}, got {split_mode!r}")
+        mparams.split_mode = self.SPLIT_MODES[split_mode]
+        mparams.main_gpu = int(main_gpu)
+        self._tensor_split = self._devices = None  # kept alive until the model is loaded
+        if tensor_split is not None:
+            n_max = llama_cpp.llama_max_devices()
+            values = [float(x) for x in tensor_split]
+            if len(values) > n_max or any(not x >= 0 for x in values):
+                raise ValueError(f"tensor_split must hold at most {n_max} proportions >= 0, got {list(tensor_split)}")
+            self._tensor_split = (ctypes.c_float * n_max)(*values)
+            mparams.tensor_split = self._tensor_split
+        if rpc_servers:
+            from .devices import model_devices
+
+            self._devices = model_devices([e.strip() for e in rpc_servers.split(",")] if isinstance(rpc_servers, str)
+                                          else list(rpc_servers))
+            mparams.devices = ctypes.cast(self._devices, ctypes.c_void_p)
+
+    def _check_memory(self, n_ctx: int, n_gpu_layers: int, type_kv: str) -> None:
+        """Refuse a context that cannot fit in this machine's memory, before llama.cpp tries.
+
+        Why: llama.cpp sizes its per-cell bookkeeping (host memory, tens of bytes per cell) and the KV
+        cache from n_ctx; for an n_ctx far beyond the RAM it fills gigabytes before it fails, or gets the
+        process killed by the OOM killer, instead of returning an error. The estimate is a lower bound
+        (f16-sized K and V rows of every layer, 40 bytes of cell metadata), checked against
+        MemAvailable; the KV part only when it stays on the host (no offloaded layers).
+        """
+        available = _available_memory()
+        if available is None:
+            return
+        n_layer = llama_cpp.llama_model_n_layer(self.model)
+        n_head_kv = llama_cpp.llama_model_n_head_kv(self.model) or self.n_head
+        head_dim = llama_cpp.llama_model_n_embd(self.model) // max(1, self.n_head)
+        kv_bytes = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625}.get(type_kv, 2)
+        per_cell = 40 + (2 * n_layer * n_head_kv * head_dim * kv_bytes if n_gpu_layers == 0 else 0)
+        need = n_ctx * per_cell
+        if need > available:
+            raise MemoryError(f"n_ctx={n_ctx} needs at least {need / 2**30:.1f} GiB for the KV cache, this machine "
+                              f"has {available / 2**30:.1f} GiB available; use a smaller n_ctx")
+
+    def _closed(self) -> ContextError:
+        return ContextError("the model was closed (SFILlama.close()); create a new one")
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -113,6 +187,8 @@ class LlamaContext:
 
     # -- text <-> tokens ------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        if not self.model:
+            raise self._closed()
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (llama_cpp.llama_token * cap)()
@@ -124,6 +200,8 @@ class LlamaContext:
         return list(buf[:n])
 
     def token_bytes(self, token: int, special: bool = False) -> bytes:
+        if not self.model:
+            raise self._closed()
         buf = ctypes.create_string_buffer(64)
         n = llama_cpp.llama_token_to_piece(self.vocab, token, buf, len(buf), 0, special)
         if n < 0:
@@ -145,13 +223,34 @@ class LlamaContext:
     # -- KV cache -------------------------------------------------------------------------------
     def truncate(self, n_keep: int) -> None:
         """Drop every cached token from position n_keep on."""
+        if not self.ctx:
+            raise self._closed()
         if n_keep < len(self.tokens):
             if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
                 llama_cpp.llama_memory_clear(self.memory, True)
                 n_keep = 0
             del self.tokens[n_keep:]
 
+    def sync(self) -> None:
+        """Make `self.tokens` agree with the cache again after an interrupted call.
+
+        Why: a KeyboardInterrupt (or any exception) raised between llama_decode returning and the token
+        list being updated leaves one token in the cache that the list does not know about; the next
+        decode at that position would be refused. The cache is the truth: drop what the list does not
+        cover, and forget list entries the cache does not hold.
+        """
+        if not self.ctx:
+            raise self._closed()
+        n_cached = llama_cpp.llama_memory_seq_pos_max(self.memory, 0) + 1
+        if n_cached > len(self.tokens):
+            if not llama_cpp.llama_memory_seq_rm(self.memory, 0, len(self.tokens), -1):
+                self.clear()
+        elif n_cached < len(self.tokens):
+            del self.tokens[max(n_cached, 0):]
+
     def clear(self) -> None:
+        if not self.ctx:
+            raise self._closed()
         llama_cpp.llama_memory_clear(self.memory, True)
         self.tokens.clear()
 
@@ -173,6 +272,8 @@ class LlamaContext:
         """Append tokens to the cache in one llama_decode call (at most n_batch tokens)."""
         if not tokens:
             return
+        if not self.ctx:
+            raise self._closed()
         if len(tokens) > self.n_batch:
             raise ValueError(f"{len(tokens)} tokens exceed n_batch={self.n_batch}")
         if len(self.tokens) + len(tokens) > self.n_ctx:
@@ -186,8 +287,8 @@ class LlamaContext:
     def decode_one(self, token: int) -> None:
         """One decode step: the hot path, kept to a few ctypes stores."""
         pos = len(self.tokens)
-        if pos >= self.n_ctx:
-            raise ContextError(f"context full: n_ctx={self.n_ctx}")
+        if pos >= self.n_ctx or not self.ctx:
+            raise self._closed() if not self.ctx else ContextError(f"context full: n_ctx={self.n_ctx}")
         batch = self._batch
         batch.n_tokens = 1
         batch.token[0] = token
@@ -200,16 +301,21 @@ class LlamaContext:
             raise ContextError(f"llama_decode failed with code {rc}")
         self.tokens.append(token)
 
-    def prefill(self, tokens: Sequence[int], progress: bool = False, before_last_chunk=None) -> int:
+    def prefill(self, tokens: Sequence[int], progress: bool = False, before_last_chunk=None,
+                min_last_chunk: int = 1) -> int:
         """Bring the cache to exactly `tokens`, reusing the longest cached prefix.
 
         Returns how many tokens were actually decoded. The last token is always decoded so that its
         logits are available for sampling. `before_last_chunk()` runs right before the final
         llama_decode (SFI makes that one a slow step); chunking is the same with or without it, so
-        the cache content is bit-identical either way.
+        the cache content is bit-identical either way. `min_last_chunk`: the final llama_decode gets
+        at least that many tokens (when there are), by moving the last split earlier only when the
+        final chunk would be shorter; SFI asks for its bootstrap's query rows, which are the last
+        tokens of that decode (otherwise a 515-token prompt would bootstrap from 3 rows, not 16).
         """
         if not tokens:
             raise ValueError("empty prompt")
+        self.sync()
         common = 0
         for a, b in zip(self.tokens, tokens):
             if a != b:
@@ -218,10 +324,14 @@ class LlamaContext:
         common = min(common, len(tokens) - 1)
         self.truncate(common)
         todo = list(tokens[common:])
+        starts = list(range(0, len(todo), self.n_batch))
+        want = min(max(1, min_last_chunk), self.n_batch, len(todo))
+        if len(todo) - starts[-1] < want:
+            starts[-1] = len(todo) - want
         bar = Progress(len(todo), "prompt", enabled=progress)
-        for start in range(0, len(todo), self.n_batch):
-            chunk = todo[start:start + self.n_batch]
-            last = start + len(chunk) == len(todo)
+        for start, end in zip(starts, starts[1:] + [len(todo)]):
+            chunk = todo[start:end]
+            last = end == len(todo)
             if last and before_last_chunk is not None:
                 before_last_chunk()
             self.decode(chunk, want_last_logits=last)

@@ -1,0 +1,130 @@
+"""SFI across machines: the layers on llama.cpp RPC backends (rpc-server processes, CPU backend, loopback).
+
+Run by scripts/rpc_check.sh, which builds llama.cpp with GGML_RPC=ON, points SFI_GGUF_LIB_DIR at that
+build and SFI_RPC_SERVER at its rpc-server (without them only the refusal of rpc_servers by a library
+without RPC is checked). Two servers are started (and stopped) by the tests. Every layer's KV cache,
+and so its SFI compact view, lives on the server holding the layer: selection gathers and fast-step
+attention run there, and only the activations and the small SFI inputs cross the connection.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from sfi_gguf import devices
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.llama import SFILlama
+from sfi_gguf.random_model import random_model
+from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
+from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
+
+SERVER = os.environ.get("SFI_RPC_SERVER", "")
+
+need_rpc = pytest.mark.skipif(not SERVER, reason="needs SFI_RPC_SERVER and an RPC build (scripts/rpc_check.sh)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_listening(port: int, proc: subprocess.Popen, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"rpc-server on port {port} exited with {proc.returncode}: {proc.stdout.read()}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise RuntimeError(f"rpc-server on port {port} did not listen within {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Two rpc-server processes on loopback, one CPU thread each; their endpoints."""
+    assert os.access(SERVER, os.X_OK), f"SFI_RPC_SERVER={SERVER} is not an executable"
+    assert devices.has_rpc(), "the loaded library has no RPC backend: set SFI_GGUF_LIB_DIR to the RPC build"
+    procs, endpoints = [], []
+    try:
+        for _ in range(2):
+            port = _free_port()
+            proc = subprocess.Popen([SERVER, "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            procs.append(proc)
+            _wait_listening(port, proc)
+            endpoints.append(f"127.0.0.1:{port}")
+        yield endpoints
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def four_layers() -> str:
+    """tiny-qwen3 with 4 layers (f32 weights: no CPU repacking, local and remote run the same kernels)."""
+    return random_model("tiny-qwen3", n_layer=4)
+
+
+@need_rpc
+@pytest.mark.parametrize("flash_attn, type_kv", [(True, GGML_TYPE_F16), (False, GGML_TYPE_F16), (True, GGML_TYPE_Q8_0)],
+                         ids=["fa", "no_fa", "fa_q8_0"])
+@pytest.mark.parametrize("n_gpu_layers", [99, 2], ids=["all_remote", "half_remote"])
+def test_rpc_all_cells_equals_dense(servers, n_gpu_layers, flash_attn, type_kv):
+    """The exactness test of test_native on layers held by two rpc-servers. all_remote: layers 0-2 on the
+    first server, layer 3 and the output layer on the second; half_remote (2 layers offloaded, the output
+    layer counting as one): layers 0-2 on the local CPU, layer 3 on the first server."""
+    with llama_log() as log:
+        m = PlacedModel(four_layers(), n_gpu_layers=n_gpu_layers, devices=devices.model_devices(servers))
+        try:
+            d, identical = all_cells_equal_dense(m, n_steps=64, flash_attn=flash_attn, type_kv=type_kv)
+        finally:
+            m.close()
+    kv, view = buffer_names(log, "KV"), buffer_names(log, "SFI view")
+    remote = {b for b in kv if b.startswith("RPC")}
+    assert len(remote) == (2 if n_gpu_layers == 99 else 1) and ("CPU" in kv) == (n_gpu_layers < 4), kv
+    assert view == kv, (view, kv)  # every view buffer sits with its layer's KV cache
+    assert identical, d  # same kernels, cells in order: bit-identical
+
+
+@need_rpc
+def test_rpc_generation_equals_local(servers):
+    """SFILlama(rpc_servers=...) greedy SFI generation (fast and slow steps) == the same model on the local CPU."""
+    rng = np.random.default_rng(0)
+    prompt = [int(t) for t in rng.integers(3, 300, 700)]
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16)
+    results = []
+    for placement in (dict(n_gpu_layers=99, rpc_servers=servers), dict(n_gpu_layers=0)):
+        with SFILlama(four_layers(), n_ctx=1024, n_threads=1, flash_attn=True, sfi=config, **placement) as llm:
+            out = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True)
+            s = out.stats.sfi
+            assert s.n_fast > 0 and s.n_slow > 0 and s.n_fell_back == 0, s
+            results.append((out.tokens, s.slow_steps, s.refresh_overlap))
+    assert results[0] == results[1]
+
+
+@need_rpc
+def test_rpc_bad_endpoints():
+    """An endpoint llama.cpp cannot reach raises (llama.cpp's RPC client would abort the process)."""
+    with pytest.raises(ConnectionError, match="cannot connect"):
+        SFILlama(four_layers(), n_gpu_layers=99, rpc_servers=f"127.0.0.1:{_free_port()}")
+    with pytest.raises(ValueError, match="host:port"):
+        SFILlama(four_layers(), n_gpu_layers=99, rpc_servers=["localhost"])
+
+
+@pytest.mark.skipif(devices.has_rpc(), reason="the loaded library has the RPC backend")
+def test_rpc_servers_need_an_rpc_build():
+    with pytest.raises(ValueError, match="GGML_RPC=ON"):
+        SFILlama(four_layers(), n_gpu_layers=99, rpc_servers="127.0.0.1:50052")
