@@ -103,7 +103,8 @@ class SFIStepper:
         # rows, so the bootstrap sees the same query rows as after a fresh prefill.
         self.ctx.truncate(min(len(self.ctx.tokens), n - min(n, self.config.n_prefill_queries)))
         self._n_prompt = n
-        decoded = self.ctx.prefill(tokens, progress=progress, before_last_chunk=self._begin_bootstrap)
+        decoded = self.ctx.prefill(tokens, progress=progress, before_last_chunk=self._begin_bootstrap,
+                                   min_last_chunk=self.config.n_prefill_queries)
         self.stats.t_slow += time.perf_counter() - self._t_bootstrap
         self.stats.n_bootstrap += 1
         self._refresh_from_export()
