@@ -56,36 +56,63 @@ def _forced_run(stepper, ctx, prompt: list[int], forced: list[int] | None, n_ste
     return tokens
 
 
-def compare_with_dense(llm, prompt, n_steps: int = 256, top_n: int = 64) -> Agreement:
-    """Dense greedy continuation of `prompt`, then SFI (llm.sfi_config) forced through it."""
+@dataclass
+class DenseReference:
+    """Dense greedy continuation of a prompt and dense's distribution at every step (top_n + rest)."""
+
+    tokens: list[int]
+    top: np.ndarray           # int64 [n_steps, top_n]: dense's top_n token ids
+    logp: np.ndarray          # float64 [n_steps, top_n]: their log-probabilities
+    argmax: np.ndarray        # int64 [n_steps]
+
+    @property
+    def n_steps(self) -> int:
+        return len(self.tokens)
+
+
+def kl_to_reference(ref: DenseReference, i: int, logits: np.ndarray) -> float:
+    """KL(dense || q) at step i over dense's top_n tokens plus the rest as one bucket, nats."""
+    logq = _log_softmax(logits)
+    p = np.exp(ref.logp[i])
+    rest_p = max(1.0 - p.sum(), 1e-12)
+    rest_q = max(1.0 - np.exp(logq[ref.top[i]]).sum(), 1e-12)
+    return float((p * (ref.logp[i] - logq[ref.top[i]])).sum() + rest_p * np.log(rest_p / rest_q))
+
+
+def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64) -> DenseReference:
+    """Dense greedy decoding of `n_steps` tokens after `prompt_tokens`, keeping dense's distributions."""
     ctx = llm.context
-    prompt_tokens = llm.prompt_tokens(prompt)
     if len(prompt_tokens) + n_steps > ctx.n_ctx:
         raise ValueError(f"prompt ({len(prompt_tokens)}) + {n_steps} steps exceed n_ctx={ctx.n_ctx}")
-    ref_top = np.zeros((n_steps, top_n), dtype=np.int64)
-    ref_logp = np.zeros((n_steps, top_n))
-    ref_arg = np.zeros(n_steps, dtype=np.int64)
-    dense = SFIConfig(policy="dense")
+    top = np.zeros((n_steps, top_n), dtype=np.int64)
+    logp = np.zeros((n_steps, top_n))
+    argmax = np.zeros(n_steps, dtype=np.int64)
 
-    def keep_dense(i, logits):
-        logp = _log_softmax(logits)
-        top = np.argpartition(logp, -top_n)[-top_n:]
-        ref_top[i], ref_logp[i], ref_arg[i] = top, logp[top], int(np.argmax(logits))
+    def keep(i, logits):
+        lp = _log_softmax(logits)
+        best = np.argpartition(lp, -top_n)[-top_n:]
+        top[i], logp[i], argmax[i] = best, lp[best], int(np.argmax(logits))
 
-    forced = _forced_run(llm._stepper(dense), ctx, prompt_tokens, None, n_steps, keep_dense)
+    tokens = _forced_run(llm._stepper(SFIConfig(policy="dense")), ctx, prompt_tokens, None, n_steps, keep)
+    return DenseReference(tokens=tokens, top=top, logp=logp, argmax=argmax)
 
+
+def agreement_with(llm, prompt_tokens: list[int], ref: DenseReference, config: SFIConfig | None = None) -> Agreement:
+    """SFI (`config`, default llm.sfi_config) forced through the dense continuation `ref`."""
+    n_steps = ref.n_steps
     top1 = np.zeros(n_steps, dtype=bool)
     kl = np.zeros(n_steps)
 
     def compare(i, logits):
-        logq = _log_softmax(logits)
-        top1[i] = int(np.argmax(logits)) == ref_arg[i]
-        p = np.exp(ref_logp[i])
-        rest_p = max(1.0 - p.sum(), 1e-12)
-        rest_q = max(1.0 - np.exp(logq[ref_top[i]]).sum(), 1e-12)
-        kl[i] = float((p * (ref_logp[i] - logq[ref_top[i]])).sum() + rest_p * np.log(rest_p / rest_q))
+        top1[i] = int(np.argmax(logits)) == ref.argmax[i]
+        kl[i] = kl_to_reference(ref, i, logits)
 
-    stepper = llm._stepper()
-    _forced_run(stepper, ctx, prompt_tokens, forced, n_steps, compare)
-    stats = getattr(stepper, "stats", None)
-    return Agreement(n_steps=n_steps, top1=top1, kl=kl, tokens=forced, sfi_stats=stats)
+    stepper = llm._stepper(config)
+    _forced_run(stepper, llm.context, prompt_tokens, ref.tokens, n_steps, compare)
+    return Agreement(n_steps=n_steps, top1=top1, kl=kl, tokens=ref.tokens, sfi_stats=getattr(stepper, "stats", None))
+
+
+def compare_with_dense(llm, prompt, n_steps: int = 256, top_n: int = 64) -> Agreement:
+    """Dense greedy continuation of `prompt`, then SFI (llm.sfi_config) forced through it."""
+    prompt_tokens = llm.prompt_tokens(prompt)
+    return agreement_with(llm, prompt_tokens, dense_reference(llm, prompt_tokens, n_steps, top_n))

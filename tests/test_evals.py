@@ -1,0 +1,131 @@
+"""Quality evaluation (sfi_gguf.evals): case generation and scoring without a model, then the
+`--quick` suite end to end on the default model (CI: about two minutes on 2 CPU cores)."""
+import json
+
+import pytest
+
+from sfi_gguf.evals import common, cot, needle, variables
+from sfi_gguf.evals.report import markdown_table
+from sfi_gguf.evals.runner import POLICIES, aggregate, k_head_for
+
+
+class WordTokenizer:
+    """Stands in for SFILlama where only token counts matter (one token per word)."""
+
+    def tokenize(self, text, add_special=True):
+        return text.split()
+
+
+# -- without a model ------------------------------------------------------------------------------------
+def test_needle_cases_are_reproducible_and_span_the_depths():
+    llm = WordTokenizer()
+    a = needle.make_cases(llm, 1500, 5, seed=3)
+    b = needle.make_cases(llm, 1500, 5, seed=3)
+    assert [c.document for c in a] == [c.document for c in b]
+    depths = [c.meta["depth"] for c in a]
+    assert depths == sorted(depths, reverse=True)  # deepest first: consecutive cases share a long prefix
+    assert depths[0] == pytest.approx(0.9, abs=0.03) and depths[-1] == pytest.approx(0.1, abs=0.03)
+    for case in a:
+        assert needle.fact(case.meta["key"], case.expected[0]) in case.document
+        assert len(case.document.split()) <= 1500
+        for key, value in case.meta["distractors"].items():
+            assert key != case.meta["key"] and value in case.document
+    assert needle.make_cases(llm, 1500, 5, seed=4)[0].expected != a[0].expected  # new seed, new cases
+
+
+def test_needle_scoring_is_exact_match_of_the_number():
+    case = needle.make_cases(WordTokenizer(), 800, 1)[0]
+    value = case.expected[0]
+    assert needle.score(case, f" {value}.") == 1.0
+    assert needle.score(case, f" {value[:-1]}.") == 0.0
+    assert needle.score(case, f" {value}1") == 0.0
+
+
+def test_variable_chains_are_in_order_and_scored_by_recall():
+    (case,) = variables.make_cases(WordTokenizer(), 1500, 1, n_hops=3)
+    names = case.expected
+    assert len(names) == 4
+    first = case.document.index(f"VAR {names[0]} = {case.meta['value']}.")
+    for before, name in zip(names, names[1:]):
+        at = case.document.index(f"VAR {name} = VAR {before}.")
+        assert at > first
+        first = at
+    assert variables.score(case, " " + ", ".join(names) + ".") == 1.0
+    assert variables.score(case, f" {names[0]}, {names[2]}") == 0.5
+
+
+def test_cot_cases_have_computed_answers():
+    cases = cot.make_cases(None, 6)
+    assert len({c.meta["problem"] for c in cases}) == 6
+    assert cot.score(cases[0], f"So it is 5 + 2 = 7. The answer is {cases[0].expected[0]}.") == 1.0
+    assert cot.score(cases[0], "The answer is -1.") == 0.0
+
+
+def test_insert_at_depths_places_facts_between_sentences():
+    sentences = [f"Sentence {i} is here." for i in range(10)]
+    text, realised = common.insert_at_depths(sentences, [(0.5, "FACT A."), (0.0, "FACT B.")])
+    assert text.startswith("FACT B. Sentence 0") and "here. FACT A. Sentence 5" in text
+    assert realised == [pytest.approx(0.5), 0.0]
+
+
+def test_budget_and_table():
+    assert k_head_for(2048, 0.125) == 256 and k_head_for(16384, 0.125) == 2048 and k_head_for(300, 0.125) == 64
+    records = [{"model": "m.gguf", "task": "needle", "context": 1024, "case_id": str(i), "policy": p,
+                "prompt_tokens": 1000, "k_head": 128, "n_sink": 4, "n_recent": 64, "budget_share": 0.196,
+                "score": float(i == 0 or p == "dense"), "commit": "abc"} for i in range(2) for p in POLICIES]
+    rows = aggregate(records)
+    assert [r["policy"] for r in rows] == list(POLICIES)
+    assert rows[0]["score"] == 1.0 and rows[1]["score"] == 0.5 and rows[0]["n_cases"] == 2
+    table = markdown_table(rows)
+    assert "| m | needle | 1024 | 128 | 20% | 2 | 100.0 | 50.0 |" in table
+
+
+# -- the quick suite on the default model ----------------------------------------------------------------
+@pytest.mark.real_model
+@pytest.mark.slow
+def test_quick_suite_runs_every_policy_and_dense_solves_the_needles(tmp_path):
+    from sfi_gguf.evals import run_suite
+
+    out = tmp_path / "eval-quick.json"
+    data = run_suite("quick", out, n_threads=2)
+    rows, records = data["rows"], data["records"]
+    assert json.loads(out.read_text())["rows"] == rows
+    for row in rows:
+        for key in ("model", "policy", "task", "context", "k_head", "budget_share", "n_cases", "score", "commit"):
+            assert key in row
+        assert 0.0 <= row["score"] <= 1.0 and row["budget_share"] < 0.5
+    assert {r["task"] for r in rows} == {"needle", "variables", "longgen", "cot"}
+    assert {r["policy"] for r in rows} == set(POLICIES)
+    dense_needles = [r for r in records if r["task"] == "needle" and r["policy"] == "dense"]
+    assert len(dense_needles) == 2 and all(r["score"] == 1.0 for r in dense_needles)
+    # one prefill per case: later policies decode only the bootstrap rows (SFI) or the last token
+    for r in records:
+        if r["task"] in ("needle", "variables", "cot") and r["policy"] != "dense":
+            assert r["n_prompt_decoded"] <= 16, r
+    longgen = [r for r in records if r["task"] == "longgen" and r["policy"] == "punctuation"]
+    assert len(longgen) == 1 and len(longgen[0]["top1_bits"]) == 64 and longgen[0]["per_100"]
+    # resume: a second run with the same file finds every record done
+    again = run_suite("quick", out, n_threads=2)
+    assert len(again["records"]) == len(records) and again["rows"] == rows
+
+
+@pytest.mark.real_model
+def test_prompt_cache_is_trimmed_back_after_an_sfi_generation():
+    """Dense after SFI (which decoded and cached its own tokens) equals dense from a fresh prefill."""
+    from sfi_gguf import SFILlama
+    from sfi_gguf.config import SFIConfig
+
+    llm = SFILlama(None, n_ctx=1024, n_threads=2)
+    try:
+        case = needle.make_cases(llm, 640, 1)[0]
+        tokens = common.prompt_tokens(llm, case)
+        llm.sfi_config = SFIConfig(policy="dense")
+        fresh = llm.generate(tokens, max_tokens=12, temperature=0)
+        llm.sfi_config = SFIConfig(policy="punctuation", k_head=64, n_recent=64)
+        sfi = llm.generate(tokens, max_tokens=12, temperature=0, ignore_eos=True)
+        assert sfi.stats.n_prompt_decoded == 16 and sfi.stats.sfi.n_bootstrap == 1 and sfi.stats.sfi.n_fast > 0
+        llm.sfi_config = SFIConfig(policy="dense")
+        again = llm.generate(tokens, max_tokens=12, temperature=0)
+        assert again.stats.n_prompt_decoded == 1 and again.tokens == fresh.tokens
+    finally:
+        llm.close()
