@@ -4,7 +4,7 @@ The functions live in the same patched libllama that llama-cpp-python loaded (`_
 act on the contexts created through `llama_cpp`. See include/llama.h of the patched tree for the
 C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
 
-Typical cycle (one sequence, flash attention on):
+Typical cycle (one sequence; flash attention on or off):
 
     sfi = SFINative(ctx, n_sel_max=..., n_tail_max=256, n_query_rows=1)
     sfi.set_mode(SFINative.SLOW);  decode(token)        # dense, exact logits + export
@@ -44,7 +44,7 @@ _ERROR_TEXT = {
     ERR_RANGE: "a cell is outside the cache, empty, or not in the sequence",
     ERR_DUPLICATE: "a cell appears twice in one (layer, head) selection",
     ERR_COUNT: "n_sel outside [1, n_sel_max], or the selection shape does not match [n_layers, n_head_kv]",
-    ERR_UNSUPPORTED: "unsupported context (flash attention off, n_seq_max > 1, or an unsupported model/cache)",
+    ERR_UNSUPPORTED: "unsupported context (n_seq_max > 1, or an unsupported model/cache)",
     ERR_ALLOC: "could not allocate the compact buffers",
 }
 
@@ -119,7 +119,7 @@ class LayerInfo:
 
 
 class SFINative:
-    """SFI state of one llama_context (created with flash attention on and n_seq_max = 1)."""
+    """SFI state of one llama_context (created with n_seq_max = 1)."""
 
     DENSE, SLOW, FAST = MODE_DENSE, MODE_SLOW, MODE_FAST
 
