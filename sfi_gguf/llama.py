@@ -168,8 +168,9 @@ class SFILlama:
         _check_fits(config, self.n_ctx)
         _check_split(config, self.split_mode)
         if self.n_gpu_layers and config.min_context is None:
-            # on a GPU a dense step is cheap until the context is long, and the slow steps and the
-            # Selector cost more than the fast steps save below ~64K cells (BENCHMARKS.md, GPU speed)
+            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
+            # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
+            # H200 (BENCHMARKS.md, "Speed on the GPU")
             config = dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
         from .boundary import PieceTable
         from .policy import make_policy

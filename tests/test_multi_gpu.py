@@ -57,7 +57,7 @@ def test_layer_split_generation_equals_one_gpu():
     from sfi_gguf.texts import natural_text
 
     model = random_model("tiny-qwen3", n_layer=6, vocab="copy", vocab_source=os.environ.get("SFI_VOCAB_SOURCE", ""))
-    config = SFIConfig(k_head=64, n_sink=4, n_recent=32)
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, min_context=0)  # SFI also below GPU_MIN_CONTEXT
     results = []
     for split in (dict(split_mode="layer"), dict(split_mode="none", main_gpu=0)):
         with SFILlama(model, n_ctx=2048, n_gpu_layers=99, sfi=config, **split) as llm:

@@ -104,7 +104,8 @@ def test_rpc_generation_equals_local(servers):
     """SFILlama(rpc_servers=...) greedy SFI generation (fast and slow steps) == the same model on the local CPU."""
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 300, 700)]
-    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16)
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16,
+                       min_context=0)  # offloaded layers: SFI also below GPU_MIN_CONTEXT
     results = []
     for placement in (dict(n_gpu_layers=99, rpc_servers=servers), dict(n_gpu_layers=0)):
         with SFILlama(four_layers(), n_ctx=1024, n_threads=1, flash_attn=True, sfi=config, **placement) as llm:
