@@ -45,7 +45,7 @@ LIB_DIR="$BUILD/bin"
 for f in libllama.so libggml-rpc.so ggml-rpc-server; do
     test -e "$LIB_DIR/$f" || { echo "no $LIB_DIR/$f" >&2; exit 1; }
 done
-echo "rpc build: $LIB_DIR ($(git -C "$SRC" log -1 --format='%h %s'))"
+echo "rpc build: $LIB_DIR ($(git -C "$SRC" log -1 --format='%h %s' 2>/dev/null || echo "$SRC"))"
 [ $build_only = 1 ] && exit 0
 
 export SFI_GGUF_LIB_DIR=$LIB_DIR
