@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
+from sfi_gguf.agreement import kl_top_n, log_softmax  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.native import SFINative  # noqa: E402
 from sfi_gguf.selector import AttentionExport, CandidateRange, assemble_memory, make_selector  # noqa: E402
@@ -46,19 +47,10 @@ VARIANTS = {
 }
 
 
-def log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - (m + np.log(np.exp(x - m).sum()))
-
-
 def kl_top(logp: np.ndarray, logq: np.ndarray, top_n: int = 64) -> float:
     """KL(p || q) over p's top_n tokens plus the rest as one bucket (the metric of sfi_gguf.agreement)."""
     top = np.argpartition(logp, -top_n)[-top_n:]
-    p = np.exp(logp[top])
-    rest_p = max(1.0 - p.sum(), 1e-12)
-    rest_q = max(1.0 - np.exp(logq[top]).sum(), 1e-12)
-    return float((p * (logp[top] - logq[top])).sum() + rest_p * np.log(rest_p / rest_q))
+    return kl_top_n(logp[top], logq[top])
 
 
 def main() -> None:

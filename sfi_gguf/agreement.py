@@ -36,7 +36,7 @@ class Agreement:
                  "kl": float(self.kl[s:s + window].mean())} for s in range(0, self.n_steps, window)]
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
+def log_softmax(x: np.ndarray) -> np.ndarray:
     x = x.astype(np.float64)
     m = x.max()
     return x - (m + np.log(np.exp(x - m).sum()))
@@ -70,13 +70,18 @@ class DenseReference:
         return len(self.tokens)
 
 
+def kl_top_n(logp_top: np.ndarray, logq_top: np.ndarray) -> float:
+    """KL(p || q) over p's top_n tokens (log-probabilities of both at those tokens) plus the rest of
+    the vocabulary as one bucket, nats."""
+    p = np.exp(logp_top)
+    rest_p = max(1.0 - p.sum(), 1e-12)
+    rest_q = max(1.0 - np.exp(logq_top).sum(), 1e-12)
+    return float((p * (logp_top - logq_top)).sum() + rest_p * np.log(rest_p / rest_q))
+
+
 def kl_to_reference(ref: DenseReference, i: int, logits: np.ndarray) -> float:
     """KL(dense || q) at step i over dense's top_n tokens plus the rest as one bucket, nats."""
-    logq = _log_softmax(logits)
-    p = np.exp(ref.logp[i])
-    rest_p = max(1.0 - p.sum(), 1e-12)
-    rest_q = max(1.0 - np.exp(logq[ref.top[i]]).sum(), 1e-12)
-    return float((p * (ref.logp[i] - logq[ref.top[i]])).sum() + rest_p * np.log(rest_p / rest_q))
+    return kl_top_n(ref.logp[i], log_softmax(logits)[ref.top[i]])
 
 
 def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64) -> DenseReference:
@@ -89,7 +94,7 @@ def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64
     argmax = np.zeros(n_steps, dtype=np.int64)
 
     def keep(i, logits):
-        lp = _log_softmax(logits)
+        lp = log_softmax(logits)
         best = np.argpartition(lp, -top_n)[-top_n:]
         top[i], logp[i], argmax[i] = best, lp[best], int(np.argmax(logits))
 

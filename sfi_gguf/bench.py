@@ -145,7 +145,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         ceiling = dense_at(budget_depth)
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
         rows = []
-        commit = git_commit()
+        commit, device = git_commit(), hardware(n_gpu_layers, n_gpus)  # once: nvidia-smi is a subprocess
         for depth in depths:
             t0 = time.perf_counter()
             dense_tok_s = dense_at(depth)
@@ -156,7 +156,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
             s = stepper.stats if hasattr(stepper, "stats") else None
             native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
             row = BenchRow(
-                hardware=hardware(n_gpu_layers, n_gpus), model=Path(str(llm.model_path)).name, model_shape=model_shape,
+                hardware=device, model=Path(str(llm.model_path)).name, model_shape=model_shape,
                 weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
                 budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
                 dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,

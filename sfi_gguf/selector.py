@@ -387,13 +387,7 @@ class Selector(ABC):
             else:
                 out[layers] = np.sort(cell_ids[best], axis=-1)
 
-        firsts = range(0, n_layers, chunk)
-        if self.n_threads > 1 and len(firsts) > 1:
-            with ThreadPoolExecutor(self.n_threads) as pool:
-                list(pool.map(run, firsts))
-        else:
-            for first in firsts:
-                run(first)
+        self._run_all(run, range(0, n_layers, chunk))
         return out
 
     def _select_from_device_candidates(self, export: AttentionExport, candidates: CandidateRange,
@@ -422,13 +416,17 @@ class Selector(ABC):
             best = self.select(sub, CandidateRange(0, len(keep)), k)[0]  # indices into keep
             out[layer] = np.sort(export.cells[layer][keep][best], axis=-1)
 
-        if self.n_threads > 1 and n_layers > 1:
-            with ThreadPoolExecutor(self.n_threads) as pool:
-                list(pool.map(run, range(n_layers)))
-        else:
-            for layer in range(n_layers):
-                run(layer)
+        self._run_all(run, range(n_layers))
         return out
+
+    def _run_all(self, run, items: range) -> None:
+        """run(item) for every item, in `n_threads` threads when there is more than one item."""
+        if self.n_threads > 1 and len(items) > 1:
+            with ThreadPoolExecutor(self.n_threads) as pool:
+                list(pool.map(run, items))
+        else:
+            for item in items:
+                run(item)
 
     def _workspace(self) -> Workspace:
         workspace = getattr(self._local, "workspace", None)
