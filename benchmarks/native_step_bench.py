@@ -100,6 +100,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--kv-type", default="f16", choices=["f16", "q8_0"])
     ap.add_argument("--no-flash-attn", action="store_true", help="plain attention (the faster path on many CPUs)")
     ap.add_argument("--query-rows", type=int, default=1, help="query rows of the slow-step export")
+    ap.add_argument("--n-candidates", type=int, nargs="*", default=[],
+                    help="also time slow steps that export only this many candidate cells per layer")
     ap.add_argument("--json", default="native_step_bench.json", help="output file ('' = none)")
     args = ap.parse_args(argv)
     if args.budget > args.ctx:
@@ -121,6 +123,12 @@ def main(argv=None) -> dict:
     sfi.set_mode(sfi.SLOW)
     res["slow"] = summarize(b.series(args.steps, args.warmup))
     print(f"slow  @ {args.ctx}: {res['slow']['median_ms']:.2f} ms (with export)", flush=True)
+    for n_cand in args.n_candidates:
+        sfi.set_n_candidates(n_cand)
+        res[f"slow_candidates_{n_cand}"] = summarize(b.series(args.steps, args.warmup))
+        print(f"slow  @ {args.ctx}, {n_cand} candidates per layer: "
+              f"{res[f'slow_candidates_{n_cand}']['median_ms']:.2f} ms", flush=True)
+    sfi.set_n_candidates(0)
 
     # selection: sink + random middle cells + the most recent cells, sorted, per (layer, head)
     pos = sfi.cell_pos()

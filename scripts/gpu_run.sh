@@ -2,7 +2,8 @@
 # Runs ON the GPU machine (device tool), from the repo root, after scripts/make_gpu_bundle.sh here:
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
-#   diag, and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
+#   diag, profile (export ops and candidate slow steps), bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
+#   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -60,6 +61,26 @@ if [[ " $stages " == *" native "* ]]; then
     for ctx in ${SFI_NATIVE_CTX:-32768 131072}; do
         python3 benchmarks/native_step_bench.py --model "$M" --ngl 99 --ctx "$ctx" --budget 2048 \
             --json "$OUT/native_step-h200-$ctx.json"
+    done
+fi
+if [[ " $stages " == *" profile "* ]]; then
+    log "export ops of a slow step, per stage (Qwen3-4B shape, 36 layers)"
+    LIB=$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")
+    g++ -O2 -std=c++17 benchmarks/export_ops_bench.cpp -I.gpu/llama.cpp/ggml/include -L"$LIB" -lggml -lggml-base \
+        -Wl,-rpath,"$LIB" -o "$OUT/export_ops_bench" || exit 1
+    for n_kv in ${SFI_PROFILE_NKV:-32768 131072}; do "$OUT/export_ops_bench" "$n_kv" 8192 | tee -a "$OUT/export_ops-h200.txt"; done
+    rm -f "$OUT/export_ops_bench"
+    log "native step micro-benchmark with candidate exports (Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    python3 benchmarks/native_step_bench.py --model "$M" --ngl 99 --ctx 131072 --budget 2048 --steps 16 \
+        --n-candidates 8192 4096 --json "$OUT/native_step-h200-candidates-131072.json"
+fi
+if [[ " $stages " == *" bench-delay "* ]]; then
+    log "sfi-gguf bench at 128K: Selector on the decoding thread vs delayed selection"
+    for d in ${SFI_DELAYS:-0 16 32}; do
+        python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+            --depths ${SFI_BENCH_DEPTHS:-131072} -n ${SFI_BENCH_N:-256} --selection-delay $d \
+            --json "$OUT/bench-h200-qwen3-4b-f16-delay$d.json" 2>&1 | grep -v "^load:" | tail -3
     done
 fi
 if [[ " $stages " == *" bench "* ]]; then

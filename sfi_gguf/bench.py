@@ -59,6 +59,9 @@ class BenchRow:
     batch: int = 1
     split_mode: str = "layer"
     n_gpus: int = 0                # GPUs holding layers (llama.cpp's device count; 0 on the CPU)
+    selection_delay: int = 0       # > 0: the Selector ran in a background thread, overlapped with fast steps
+    t_selector_background_s: float = 0.0  # its time there (not on the decoding thread)
+    min_context: int = 0           # SFI below this context decodes densely
 
 
 def git_commit() -> str:
@@ -104,7 +107,7 @@ def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) ->
     stepper.prefill(list(prompt))
     if hasattr(stepper, "stats"):
         s = stepper.stats
-        s.t_fast = s.t_slow = s.t_selector = s.t_dense = 0.0
+        s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
     t0 = time.perf_counter()
     for token in forced:
         int(np.argmax(ctx.last_logits()))  # the greedy pick a real decode makes (waits for the step)
@@ -151,6 +154,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
             dense_tok_s = dense_at(depth)
             log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
             stepper = llm._stepper(config)
+            effective = getattr(stepper, "config", config)  # with the GPU defaults filled in
             seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode])
             ctx.truncate(depth)
             s = stepper.stats if hasattr(stepper, "stats") else None
@@ -165,7 +169,10 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
                 t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
                 t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
                 flash_attn=ctx.flash_attn, n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(),
-                policy=config.policy, git_commit=commit, split_mode=split_mode, n_gpus=n_gpus)
+                policy=config.policy, git_commit=commit, split_mode=split_mode, n_gpus=n_gpus,
+                selection_delay=effective.selection_delay or 0,
+                t_selector_background_s=s.t_selector_background if s else 0.0,
+                min_context=effective.min_context or 0)
             rows.append(row)
             log(format_row(row))
         return rows
@@ -233,6 +240,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--n-recent", type=int, default=256)
     p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
+    p.add_argument("--selection-delay", type=int, default=None,
+                   help="fast steps until a new selection is loaded, the Selector running in the background "
+                        "meanwhile (default: 16 with offloaded layers, else 0)")
+    p.add_argument("--min-context", type=int, default=None,
+                   help="SFI starts at this context (default: 64K with offloaded layers, else the budget)")
+    p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -248,7 +261,9 @@ def _cmd_bench(args) -> int:
         shape, weight_type = model, args.weight_type
         extra = {"vocab_source": args.vocab_source} if args.vocab_source else {}
         model = random_model(model, weight_type=args.weight_type, **extra)
-    config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy)
+    config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy,
+                       selection_delay=args.selection_delay,
+                       min_context=args.min_context, refresh_interval=args.refresh_interval)
     rows = run_bench(model, model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                      n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,

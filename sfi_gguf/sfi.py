@@ -13,6 +13,7 @@ selection whose tail fills up) refresh cheaply: the same cells, a new recent win
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,7 +45,9 @@ class SFIStats:
     t_dense: float = 0.0
     t_fast: float = 0.0
     t_slow: float = 0.0
-    t_selector: float = 0.0
+    t_selector: float = 0.0         # on the decoding thread
+    t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (async_selection)
+    n_async: int = 0                # selections computed in the background (selection_delay > 0)
 
     @property
     def mean_overlap(self) -> float:
@@ -69,6 +72,9 @@ class SFIStepper:
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
+        self._pending: Future | None = None  # a background Selector run (async_selection)
+        self._load_at = 0               # ... loaded before decoding this step
+        self._executor: ThreadPoolExecutor | None = None
 
     # -- budgets ----------------------------------------------------------------------------------
     def _k_head(self, n_context: int) -> int:
@@ -86,6 +92,7 @@ class SFIStepper:
     # -- the loop's interface ---------------------------------------------------------------------
     def prefill(self, tokens, progress: bool = False) -> int:
         """Dense prefill; then the bootstrap selection (last prompt rows as slow-step queries)."""
+        self._drop_pending()
         self._sparse = False
         self._selected = None
         self.native.set_mode(SFINative.DENSE)
@@ -112,6 +119,8 @@ class SFIStepper:
 
     def step(self, token: int) -> None:
         self._n_step += 1
+        if self._pending is not None and self._n_step >= self._load_at:
+            self._load_pending()
         slow = self.policy.on_token(token)
         reason = self.policy.reason if slow else None
         n_after = len(self.ctx.tokens) + 1
@@ -128,13 +137,15 @@ class SFIStepper:
         if self._sparse and not slow and self._tail >= self.native.params["n_tail_max"]:
             self._cheap_refresh()
         if slow:
+            if self._pending is not None:  # a slow step overwrites the export the Selector reads
+                self._load_pending()
             self._set_slow(n_after)
             self._timed_decode(token, "t_slow")
             self.stats.n_slow += 1
             self.stats.slow_steps.append(self._n_step)
             if reason:
                 self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
-            self._refresh_from_export()
+            self._refresh_from_export(background=bool(self.config.selection_delay) and self._selected is not None)
             return
         self._timed_decode(token, "t_fast")
         self._tail += 1
@@ -146,6 +157,7 @@ class SFIStepper:
             self.native.set_mode(SFINative.DENSE)
 
     def annotate(self, stats) -> None:
+        self._drop_pending()
         self.stats.budget = (self.config.n_sink + self.stats.k_head + self.config.n_recent
                              if self.stats.k_head else 0)
         stats.sfi = self.stats
@@ -170,8 +182,13 @@ class SFIStepper:
     def _positions(self) -> np.ndarray:
         return self.native.cell_pos()
 
-    def _refresh_from_export(self) -> None:
-        """Selector on the last slow step's export -> new selection; following steps are fast."""
+    def _refresh_from_export(self, background: bool = False) -> None:
+        """Selector on the last slow step's export -> new selection; following steps are fast.
+
+        background: the Selector runs in a worker thread on copies of the export; until its result is
+        loaded (`_load_pending`, `selection_delay` steps later), fast steps keep the previous selection
+        with a recent window moved to now, so the slow step's own token stays in the memory.
+        """
         t0 = time.perf_counter()
         n_context = len(self.ctx.tokens)
         k_head = self._k_head(n_context)
@@ -187,14 +204,58 @@ class SFIStepper:
                                  alpha=self.native.params["evidence_alpha"],
                                  **self._cells_and_positions(positions, mass.shape[2]))
         candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+        self.policy.note_refresh()
+        if background:
+            self._load_memory(self._selected)
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
+            self._pending = self._executor.submit(self._timed_select, export, candidates, k_head, self._selected)
+            self._load_at = self._n_step + 1 + self.config.selection_delay
+            self.stats.n_async += 1
+            self.stats.t_selector += time.perf_counter() - t0
+            return
+        self._use_selection(self.selector.select(export, candidates, k_head), positions)
+        self.stats.t_selector += time.perf_counter() - t0
+
+    def _timed_select(self, export: AttentionExport, candidates: CandidateRange, k_head: int,
+                      previous: np.ndarray | None):
+        """The background half of a refresh: the Selector, and the overlap statistic while at it."""
+        t0 = time.perf_counter()
         selected = self.selector.select(export, candidates, k_head)
-        if self._selected is not None and self._selected.shape[:2] == selected.shape[:2]:
-            self.stats.refresh_overlap.append(float(refresh_overlap(self._selected, selected)))
+        overlap = self._overlap(previous, selected)
+        return selected, overlap, time.perf_counter() - t0
+
+    @staticmethod
+    def _overlap(previous: np.ndarray | None, selected: np.ndarray) -> float | None:
+        if previous is None or previous.shape[:2] != selected.shape[:2]:
+            return None
+        return float(refresh_overlap(previous, selected))
+
+    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None,
+                       overlap: float | None = None) -> None:
+        if overlap is None:
+            overlap = self._overlap(self._selected, selected)
+        if overlap is not None:
+            self.stats.refresh_overlap.append(overlap)
         self._selected = selected
         self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
-        self._load_memory(selected, positions, candidates)
+        self._load_memory(selected, positions)
+
+    def _load_pending(self) -> None:
+        """Load the background Selector's result (waiting for it) unless the view was dropped since."""
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        selected, overlap, t_background = pending.result()
+        self.stats.t_selector_background += t_background
+        if self._sparse:
+            self._use_selection(selected, overlap=overlap)
         self.stats.t_selector += time.perf_counter() - t0
-        self.policy.note_refresh()
+
+    def _drop_pending(self) -> None:
+        """New text or the end of a generation: a selection still being computed is stale."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()
 
     def _cells_and_positions(self, positions: np.ndarray, n_cells: int) -> dict:
         cells = self.native.candidates()

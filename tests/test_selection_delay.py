@@ -1,0 +1,69 @@
+"""Delayed selection (SFIConfig.selection_delay): the Selector runs in a background thread and its
+selection is loaded a fixed number of fast steps after the slow step, on the real default model."""
+import pytest
+
+from sfi_gguf import SFILlama
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.sfi import SFIStepper
+from sfi_gguf.texts import natural_text
+
+pytestmark = pytest.mark.real_model
+
+N_CTX = 2048
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = SFILlama(None, n_ctx=N_CTX, n_threads=2)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def prompt(llm):
+    return llm.tokenize(natural_text(8000, seed=3))[:1200]
+
+
+def _generate(llm, prompt, config, n=64):
+    llm.reset()  # fresh prefill: identical caches between the runs compared
+    llm.sfi_config = config
+    return llm.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def test_whole_context_budget_with_delay_equals_dense(llm, prompt):
+    """Delayed or not, a selection of every cell must give dense's tokens: the memory in between
+    (old selection + recent window moved past the slow step) must not drop a cell."""
+    sfi = _generate(llm, prompt, SFIConfig(k_head=N_CTX, min_context=0, policy="fixed", fixed_period=8,
+                                           selection_delay=5))
+    dense = _generate(llm, prompt, SFIConfig(policy="dense"))
+    assert sfi.tokens == dense.tokens
+    s = sfi.stats.sfi
+    assert s.n_async == s.n_slow > 0 and s.n_fell_back == 0
+
+
+def test_selection_is_loaded_exactly_delay_steps_after_its_slow_step(llm, prompt, monkeypatch):
+    loads = []
+    original = SFIStepper._use_selection
+
+    def spy(self, selected, positions=None):
+        loads.append(self._n_step)
+        return original(self, selected, positions)
+
+    monkeypatch.setattr(SFIStepper, "_use_selection", spy)
+    config = SFIConfig(k_head=256, min_context=0, policy="fixed", fixed_period=12, selection_delay=5)
+    first = _generate(llm, prompt, config)
+    s = first.stats.sfi
+    assert s.slow_steps == [12, 24, 36, 48, 60]
+    # the bootstrap is loaded at once (step 0); each slow step's selection before decoding step slow + 6
+    # (the last one, at 60, is still pending when the generation ends and is dropped)
+    assert loads == [0, 18, 30, 42, 54]
+    assert s.t_selector_background > 0
+
+    loads.clear()
+    again = _generate(llm, prompt, config)
+    assert again.tokens == first.tokens and again.stats.sfi.refresh_overlap == s.refresh_overlap
+
+
+def test_selection_delay_is_validated():
+    with pytest.raises(ValueError, match="selection_delay"):
+        SFIConfig(selection_delay=-1)
