@@ -52,6 +52,14 @@ def main() -> None:
     ap.add_argument("--punctuation", action="store_true", help="also the punctuation + T_max policy")
     ap.add_argument("--min-gap", type=int, default=16, help="of the punctuation policy")
     ap.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
+    ap.add_argument("--sentence-offset", type=int, default=SFIConfig.sentence_offset,
+                    help="of the punctuation policy: slow this many tokens into a sentence (0: on its first token)")
+    ap.add_argument("--warmup-refresh", type=int, default=SFIConfig.warmup_refresh,
+                    help="of the punctuation policy: one extra slow step this many steps after the bootstrap (0: none)")
+    ap.add_argument("--selection-delay", type=int, default=0,
+                    help="fast steps before a new selection is loaded (the Selector runs in the background)")
+    ap.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
+                    help="of the punctuation policy: slow when the top-1 probability falls below this (0: never)")
     ap.add_argument("--selectors", nargs="+", default=["sfi", "topk_mass"], choices=list(SELECTORS))
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1)
@@ -68,7 +76,10 @@ def main() -> None:
     for selector in args.selectors:
         for policy, period in policies:
             config = SFIConfig(k_head=args.k_head, policy=policy, fixed_period=max(period, 1), min_gap=args.min_gap,
-                               refresh_interval=args.refresh_interval, **SELECTORS[selector])
+                               refresh_interval=args.refresh_interval, sentence_offset=args.sentence_offset,
+                               warmup_refresh=args.warmup_refresh, confidence_floor=args.confidence_floor,
+                               selection_delay=args.selection_delay,
+                               **SELECTORS[selector])
             t0 = time.perf_counter()
             res = agreement_with(llm, prompt, ref, config)
             s = res.sfi_stats
@@ -76,11 +87,13 @@ def main() -> None:
             fast[[i for i in s.slow_steps if i < res.n_steps]] = False
             fast[0] = False  # the first distribution comes from the prefill (dense)
             row = {"model": llm.model_path.name, "selector": selector, "selector_options": SELECTORS[selector], "policy": policy,
-                   "period": period or None, "min_gap": args.min_gap, "refresh_interval": args.refresh_interval, "context": len(prompt), "k_head": args.k_head,
+                   "period": period or None, "min_gap": args.min_gap, "refresh_interval": args.refresh_interval, "selection_delay": args.selection_delay,
+                   "sentence_offset": args.sentence_offset, "warmup_refresh": args.warmup_refresh,
+                   "confidence_floor": args.confidence_floor, "context": len(prompt), "k_head": args.k_head,
                    "budget_share": round((4 + args.k_head + 256) / len(prompt), 3), "steps": res.n_steps,
                    "top1": round(res.top1_rate, 4), "top1_fast_steps": round(float(res.top1[fast].mean()), 4),
                    "mean_kl": round(res.mean_kl, 4), "kl_fast_steps": round(float(res.kl[fast].mean()), 4),
-                   "slow_steps": s.n_slow, "slow_step_positions": list(s.slow_steps),
+                   "slow_steps": s.n_slow, "slow_step_positions": list(s.slow_steps), "slow_step_reasons": dict(s.reasons),
                    "per_32": res.per_window(32), "mean_refresh_overlap": round(s.mean_overlap, 3),
                    "seconds": round(time.perf_counter() - t0, 1), "commit": commit}
             rows.append(row)

@@ -34,6 +34,9 @@ def _add_sfi_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-recent", type=int, default=256, help="last cells of the context, always attended "
                                                                "(default 256)")
     g.add_argument("--refresh-interval", type=int, default=64, help="T_max: a slow step at least this often")
+    g.add_argument("--confidence-floor", type=float, default=0.5,
+                   help="also a slow step when the model's top-1 probability falls below this "
+                        "(a stale selection; 0 = off; default 0.5)")
 
 
 def _flash_attn(args: argparse.Namespace) -> bool | None:
@@ -46,7 +49,8 @@ def _sfi_from_args(args: argparse.Namespace):
     if args.dense:
         return False
     return SFIConfig(policy=args.policy, selector=args.selector, k_head=args.k_head, n_sink=args.n_sink,
-                     n_recent=args.n_recent, refresh_interval=args.refresh_interval)
+                     n_recent=args.n_recent, refresh_interval=args.refresh_interval,
+                     confidence_floor=args.confidence_floor)
 
 
 def format_sfi_stats(s) -> str:

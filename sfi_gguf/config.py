@@ -62,6 +62,18 @@ class SFIConfig:
     """Minimum steps between two refreshes; sentence triggers inside the gap are dropped."""
     refresh_interval: int = 64
     """T_max: a slow step is forced when this many steps passed since the last refresh."""
+    sentence_offset: int = 0
+    """The sentence trigger fires this many tokens after the first token of the new sentence (0: on
+    the first token, the paper). Measured, not adopted: 2-3 helped one text and hurt another
+    (BENCHMARKS.md, "Trigger placement")."""
+    warmup_refresh: int = 8
+    """One extra slow step this many steps after the bootstrap selection (0: none): the prompt's
+    last rows choose poorly for the first tokens of a continuation (teacher-forced agreement at 4K
+    context, k_head 512: BENCHMARKS.md, "Trigger placement")."""
+    confidence_floor: float = 0.5
+    """A slow step is also forced (once `min_gap` steps passed since the last refresh) when the last
+    step's top-1 probability fell below this (0: never): a stale selection shows as a model that
+    stops being sure (same section)."""
     fixed_period: int = 64
     """Period of the "fixed" policy (the reference ablation uses the refresh interval)."""
     n_prefill_queries: int = 16
@@ -115,7 +127,7 @@ class SFIConfig:
             if not ok:
                 raise ValueError(f"SFIConfig.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("n_sink", "n_recent", "cooldown", "min_gap"):
+        for name in ("n_sink", "n_recent", "cooldown", "min_gap", "sentence_offset", "warmup_refresh"):
             value = getattr(self, name)
             need(_is_int(value) and value >= 0, name, "must be an integer >= 0")
         for name in ("refresh_interval", "fixed_period", "n_prefill_queries", "nms_window"):
@@ -144,7 +156,7 @@ class SFIConfig:
             value = getattr(self, name)
             need(_is_real(value) and math.isfinite(value), name, "must be a finite number")
         need(_is_real(self.pos_power) and 0 < self.pos_power < math.inf, "pos_power", "must be a finite number > 0")
-        for name in ("lambda_clip_single", "lambda_clip_multi"):
+        for name in ("lambda_clip_single", "lambda_clip_multi", "confidence_floor"):
             value = getattr(self, name)
             need(_is_real(value) and 0 <= value <= 1, name, "must be in [0, 1]")
         need(_is_real(self.cross_head_temperature) and 0 < self.cross_head_temperature < math.inf,

@@ -7,7 +7,10 @@ has. The loop:
    every selection it makes (the bootstrap slow step after prefill if `policy.bootstrap`, any
    re-selection), calls `policy.note_refresh()`;
 3. before decoding each generated token, calls `policy.on_token(token)`: True means "decode this
-   token with a slow step"; `policy.reason` then says why ("sentence", "interval" or "period").
+   token with a slow step"; `policy.reason` then says why ("sentence", "interval", "warmup",
+   "confidence" or "period"). A policy whose `reads_confidence` is True is first told, by
+   `observe_confidence(p)`, the top-1 probability p of the distribution that produced the token
+   (`top1_probability` of the last logits): a stale sparse memory shows as a model that stops being sure.
 
 `memory` tells the loop what a fast step attends to: the Selector's cells (SELECTED), only sink
 and recent cells (SINK_RECENT, StreamingLLM-like, never slow), or everything (DENSE, no SFI).
@@ -20,6 +23,8 @@ from collections import Counter
 from collections.abc import Sequence
 from enum import Enum
 from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
 
 from .boundary import BoundaryDetector, PieceTable
 
@@ -46,6 +51,17 @@ class TriggerPolicy(ABC):
         self.reason: str | None = None
         self.counts: Counter[str] = Counter()
         """How often each reason fired (and "dropped": sentence triggers inside the minimum gap)."""
+        self.confidence = 1.0
+        """Top-1 probability of the last distribution, when `reads_confidence` (see `observe_confidence`)."""
+
+    @property
+    def reads_confidence(self) -> bool:
+        """Whether the loop must call `observe_confidence` before each `on_token`."""
+        return False
+
+    def observe_confidence(self, top1: float) -> None:
+        """The distribution that produced the next `on_token`'s token gave its best token probability `top1`."""
+        self.confidence = top1
 
     @property
     def bootstrap(self) -> bool:
@@ -61,6 +77,7 @@ class TriggerPolicy(ABC):
         """
         self.steps_since_refresh = 0
         self.reason = None
+        self.confidence = 1.0
 
     def note_refresh(self) -> None:
         """A selection was just made (any cause): restart the step count, keep the sentence state.
@@ -95,6 +112,12 @@ class TriggerPolicy(ABC):
         return (cls.__doc__ or cls.name).strip().splitlines()[0]
 
 
+def top1_probability(logits: np.ndarray) -> float:
+    """Probability of the most likely token under softmax(`logits`)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    return float(1.0 / np.exp(logits - logits.max()).sum(dtype=np.float64))
+
+
 POLICIES: dict[str, type[TriggerPolicy]] = {}
 
 
@@ -123,25 +146,42 @@ def make_policy(config: SFIConfig, pieces: PieceTable | Sequence[bytes | str] | 
 
 @register_policy
 class PunctuationTmaxPolicy(TriggerPolicy):
-    """Slow on the first token of each sentence (min gap, cooldown) and at least every T_max steps.
+    """Slow at sentence starts (min gap, cooldown), when the model turns unsure, at least every T_max steps.
 
-    A sentence ender arms the trigger; the step decoding the first token of the next sentence is
-    slow, unless fewer than `min_gap` steps passed since the last refresh (the trigger is then
-    dropped). For `cooldown` tokens after a trigger (fired or dropped), sentence enders are ignored,
-    so "Yes." or "?!" right after a trigger do not arm another one. Independently, a slow step is
-    forced when `refresh_interval` steps passed since the last refresh (reason "interval").
+    A sentence ender arms the trigger; the step decoding the token `sentence_offset` tokens after the
+    first token of the next sentence is slow (0: the first token itself, as in the paper), unless
+    fewer than `min_gap` steps passed since the last refresh when the sentence opened (the trigger is
+    then dropped). For `cooldown` tokens after a sentence opens (trigger kept or dropped), sentence
+    enders are ignored, so "Yes." or "?!" right after it do not arm another one. Independently, a
+    slow step is forced when `refresh_interval` steps passed since the last refresh (reason
+    "interval"), `warmup` steps after the first selection of a text (the bootstrap) one more
+    (reason "warmup"; 0: none) unless another refresh came first, and, at least `min_gap` steps
+    after the last refresh, when the previous step's top-1 probability fell below
+    `confidence_floor` (reason "confidence"; 0: never).
+
+    Why the warm-up and the confidence rule (BENCHMARKS.md, "Trigger placement"): the prompt's last
+    rows, which the bootstrap reads, choose poorly for the first tokens of a continuation; and a
+    selection goes stale when the text turns to context it did not keep, which the fast steps show
+    as a model that stops being sure (the top-1 probability drops), long before the next sentence
+    or T_max.
     """
 
     name = "punctuation"
 
     def __init__(self, detector: BoundaryDetector, cooldown: int = 2, min_gap: int = 16,
-                 refresh_interval: int = 64):
+                 refresh_interval: int = 64, sentence_offset: int = 0, warmup: int = 0,
+                 confidence_floor: float = 0.0):
         super().__init__()
         self.detector = detector
         self.cooldown = cooldown
         self.min_gap = min_gap
         self.refresh_interval = refresh_interval
+        self.sentence_offset = sentence_offset
+        self.warmup = warmup
+        self.confidence_floor = confidence_floor
         self._cooldown_left = 0
+        self._due_in: int | None = None  # steps until an accepted sentence trigger fires
+        self._warmup_due = False
 
     @classmethod
     def from_config(cls, config, pieces):
@@ -149,15 +189,33 @@ class PunctuationTmaxPolicy(TriggerPolicy):
             raise ValueError("the punctuation policy needs the vocabulary's token pieces to find sentence ends")
         table = pieces if isinstance(pieces, PieceTable) else PieceTable(pieces)
         return cls(BoundaryDetector(table), cooldown=config.cooldown, min_gap=config.min_gap,
-                   refresh_interval=config.refresh_interval)
+                   refresh_interval=config.refresh_interval, sentence_offset=config.sentence_offset,
+                   warmup=config.warmup_refresh, confidence_floor=config.confidence_floor)
+
+    @property
+    def reads_confidence(self) -> bool:
+        return self.confidence_floor > 0
 
     def reset(self, context: Sequence[int] = ()) -> None:
         super().reset(context)
         self.detector.reset()
         self.detector.scan(context)
         self._cooldown_left = 0
+        self._due_in = None
+        self._warmup_due = self.warmup > 0
 
     def _trigger(self, token: int) -> str | None:
+        reason = self._sentence_or_interval(token)
+        if reason is None and self._warmup_due and self.steps_since_refresh >= self.warmup:
+            reason = "warmup"
+        if reason is None and self.confidence < self.confidence_floor and self.steps_since_refresh >= self.min_gap:
+            reason = "confidence"
+        if reason is not None:
+            self._due_in = None
+            self._warmup_due = False
+        return reason
+
+    def _sentence_or_interval(self, token: int) -> str | None:
         opens = self.detector.feed(token)
         if self._cooldown_left:
             self._cooldown_left -= 1
@@ -166,8 +224,13 @@ class PunctuationTmaxPolicy(TriggerPolicy):
         if opens:
             self._cooldown_left = self.cooldown
             if self.steps_since_refresh >= self.min_gap:
+                self._due_in = self.sentence_offset
+            else:
+                self.counts["dropped"] += 1
+        if self._due_in is not None:
+            if self._due_in == 0:
                 return "sentence"
-            self.counts["dropped"] += 1
+            self._due_in -= 1
         if self.steps_since_refresh >= self.refresh_interval:
             return "interval"
         return None

@@ -21,7 +21,7 @@ import numpy as np
 from .config import SFIConfig
 from .context import LlamaContext
 from .native import SFINative
-from .policy import MemoryMode, TriggerPolicy
+from .policy import MemoryMode, TriggerPolicy, top1_probability
 from .selector import AttentionExport, CandidateRange, Selector, assemble_memory, refresh_overlap
 
 
@@ -121,6 +121,8 @@ class SFIStepper:
         self._n_step += 1
         if self._pending is not None and self._n_step >= self._load_at:
             self._load_pending()
+        if self._sparse and self.policy.reads_confidence:  # the distribution `token` came from: still sure?
+            self.policy.observe_confidence(top1_probability(self.ctx.last_logits()))
         slow = self.policy.on_token(token)
         reason = self.policy.reason if slow else None
         n_after = len(self.ctx.tokens) + 1
@@ -249,6 +251,9 @@ class SFIStepper:
         self.stats.t_selector_background += t_background
         if self._sparse:
             self._use_selection(selected, overlap=overlap)
+            # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
+            # the new selection, not the stale one the fast steps used meanwhile
+            self.policy.note_refresh()
         self.stats.t_selector += time.perf_counter() - t0
 
     def _drop_pending(self) -> None:

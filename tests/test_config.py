@@ -14,6 +14,8 @@ def test_defaults_follow_the_spec():
     assert (c.n_sink, c.k_head, c.n_recent, c.min_context) == (4, None, 256, None)
     assert (c.policy, c.cooldown, c.min_gap, c.refresh_interval, c.n_prefill_queries) == \
         ("punctuation", 2, 16, 64, 16)
+    # our additions to the trigger, measured in BENCHMARKS.md ("Trigger placement")
+    assert (c.sentence_offset, c.warmup_refresh, c.confidence_floor) == (0, 8, 0.5)
     assert (c.selector, c.alpha, c.gamma, c.w_l2, c.w_pos, c.pos_power, c.pos_eta) == \
         ("sfi", 0.5, 0.5, 1.0, 0.7, 1.8, 0.4)
     assert c.pos_beta == pytest.approx(-math.log(0.6) / 0.9) and c.pos_beta == pytest.approx(0.568, abs=1e-3)
@@ -62,6 +64,7 @@ def test_lambda_clip_depends_on_the_number_of_query_rows():
     ("alpha", 0), ("alpha", float("nan")), ("alpha", float("inf")), ("gamma", float("nan")), ("w_l2", -1.0),
     ("w_pos", -0.1), ("pos_power", 0), ("nms_strength", -1), ("cross_head_alpha", -0.5),
     ("lambda_clip_single", 1.5), ("lambda_clip_multi", -0.1), ("cross_head_temperature", 0),
+    ("sentence_offset", -1), ("warmup_refresh", -1), ("confidence_floor", 1.5), ("confidence_floor", -0.1),
 ])
 def test_invalid_values_raise_naming_the_parameter(field, value):
     with pytest.raises(ValueError, match=rf"SFIConfig\.{field}="):

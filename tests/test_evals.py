@@ -41,17 +41,25 @@ def test_needle_scoring_is_exact_match_of_the_number():
     assert needle.score(case, f" {value}1") == 0.0
 
 
-def test_variable_chains_are_in_order_and_scored_by_recall():
-    (case,) = variables.make_cases(WordTokenizer(), 1500, 1, n_hops=3)
-    names = case.expected
-    assert len(names) == 4
+def test_variable_chains_are_in_order_and_scored_hop_by_hop():
+    llm = WordTokenizer()
+    (case,) = variables.make_cases(llm, 1500, 1, n_hops=3)
+    assert variables.make_cases(llm, 1500, 1, n_hops=3)[0].document == case.document  # seeded
+    names = case.meta["names"]
+    assert len(names) == 4 and case.answer_prefix == f"VAR {names[-1]} ="
+    assert case.expected == (names[2], names[1], names[0], case.meta["value"])
     first = case.document.index(f"VAR {names[0]} = {case.meta['value']}.")
     for before, name in zip(names, names[1:]):
         at = case.document.index(f"VAR {name} = VAR {before}.")
         assert at > first
         first = at
-    assert variables.score(case, " " + ", ".join(names) + ".") == 1.0
-    assert variables.score(case, f" {names[0]}, {names[2]}") == 0.5
+    assert str(case.meta["distractor_value"]) in case.document
+    full = f" VAR {names[2]} = VAR {names[1]} = VAR {names[0]} = {case.meta['value']}"
+    assert variables.score(case, full) == 1.0
+    assert variables.score(case, f" {case.meta['value']}") == 1.0  # the value without the names counts
+    assert variables.score(case, f" VAR {names[2]} = VAR {names[1]} = VAR XXXXX =") == 0.5
+    assert variables.score(case, f" VAR {names[1]} = VAR {names[2]} =") == 0.0  # hops out of order
+    assert variables.score(case, f" VAR {names[2]} = {case.meta['distractor_value']}") == 0.25
 
 
 def test_cot_cases_have_computed_answers():
@@ -99,9 +107,11 @@ def test_quick_suite_runs_every_policy_and_dense_solves_the_needles(tmp_path):
     dense_needles = [r for r in records if r["task"] == "needle" and r["policy"] == "dense"]
     assert len(dense_needles) == 2 and all(r["score"] == 1.0 for r in dense_needles)
     # one prefill per case: later policies decode only the bootstrap rows (SFI) or the last token
+    # (variables: one generation per hop, each on the cached prompt plus the answer so far)
     for r in records:
         if r["task"] in ("needle", "variables", "cot") and r["policy"] != "dense":
-            assert r["n_prompt_decoded"] <= 16, r
+            limit = 32 * (len(r["expected"]) + 1) if r["task"] == "variables" else 16
+            assert r["n_prompt_decoded"] <= limit, r
     longgen = [r for r in records if r["task"] == "longgen" and r["policy"] == "punctuation"]
     assert len(longgen) == 1 and len(longgen[0]["top1_bits"]) == 64 and longgen[0]["per_100"]
     # resume: a second run with the same file finds every record done

@@ -1,13 +1,14 @@
 """Trigger policies on hand-written token streams."""
 import random
 
+import numpy as np
 import pytest
 
 from sfi_gguf.boundary import PieceTable
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.policy import (
     POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, SinkRecentPolicy, StaticPolicy,
-    make_policy, policy_names,
+    make_policy, policy_names, top1_probability,
 )
 
 PIECES = ["Hello", " world", ".", " It", " is", " fine", "\n\n", "!", " ok", "?", " Yes", ".\n", " the", "3",
@@ -20,8 +21,12 @@ def ids(*pieces):
     return [ID[p] for p in pieces]
 
 
-def punctuation(cooldown=2, min_gap=16, refresh_interval=64):
-    policy = make_policy(SFIConfig(cooldown=cooldown, min_gap=min_gap, refresh_interval=refresh_interval), TABLE)
+def punctuation(cooldown=2, min_gap=16, refresh_interval=64, sentence_offset=0, warmup_refresh=0,
+                confidence_floor=0.0):
+    """The punctuation policy; by default the paper's rule (no warm-up, no confidence trigger)."""
+    policy = make_policy(SFIConfig(cooldown=cooldown, min_gap=min_gap, refresh_interval=refresh_interval,
+                                   sentence_offset=sentence_offset, warmup_refresh=warmup_refresh,
+                                   confidence_floor=confidence_floor), TABLE)
     policy.reset()  # the bootstrap refresh after prefill
     return policy
 
@@ -179,11 +184,81 @@ def test_registry():
     assert set(policy_names()) == set(POLICIES) == {"punctuation", "fixed", "static", "sink_recent", "dense"}
     assert isinstance(make_policy(SFIConfig(), PIECES), PunctuationTmaxPolicy)  # raw pieces are accepted too
     assert isinstance(make_policy(SFIConfig(), TABLE, name="dense"), DensePolicy)
-    policy = make_policy(SFIConfig(cooldown=3, min_gap=8, refresh_interval=32), TABLE)
+    policy = make_policy(SFIConfig(cooldown=3, min_gap=8, refresh_interval=32, sentence_offset=1, warmup_refresh=5),
+                         TABLE)
     assert (policy.cooldown, policy.min_gap, policy.refresh_interval) == (3, 8, 32)
+    assert (policy.sentence_offset, policy.warmup) == (1, 5)
     with pytest.raises(ValueError, match="unknown trigger policy"):
         make_policy(SFIConfig(), TABLE, name="sometimes")
     with pytest.raises(ValueError, match="token pieces"):
         make_policy(SFIConfig())
     for cls in POLICIES.values():
         assert cls.summary() and "\n" not in cls.summary()
+
+
+def test_sentence_offset_delays_the_trigger_into_the_sentence():
+    stream = ids("Hello", " world", ".", " It", " is", " fine", ".\n\n", "\n", "The", " end", " is", "?", " Yes", " ok",
+                 " the", " end")
+    assert slow_steps(punctuation(min_gap=0), stream) == [3, 8, 12]
+    assert slow_steps(punctuation(min_gap=0, sentence_offset=2), stream) == [5, 10, 14]
+    policy = punctuation(min_gap=0, sentence_offset=1)
+    assert slow_steps(policy, stream) == [4, 9, 13]
+    assert policy.counts == {"sentence": 3}
+
+
+def test_sentence_offset_keeps_the_minimum_gap_of_the_opening_token():
+    # the sentence opens at step 3 (inside a gap of 4) and is dropped, though step 3 + 2 is past the gap
+    policy = punctuation(min_gap=4, sentence_offset=2, refresh_interval=1000)
+    assert slow_steps(policy, ids(" ok", ".", " It", " is", " fine", " the", " end")) == []
+    assert policy.counts["dropped"] == 1
+
+
+def test_the_interval_cancels_a_pending_sentence_trigger():
+    # the sentence opens at step 5 (index 4): due at index 7, but T_max = 6 fires at index 5 first
+    policy = punctuation(min_gap=0, sentence_offset=3, refresh_interval=6)
+    fired = slow_steps(policy, ids(" ok", " is", " fine", ".", " It", " is", " fine", " the", " end", " a"))
+    assert fired == [5] and policy.counts == {"interval": 1}
+
+
+def test_warmup_refresh_once_after_the_bootstrap():
+    policy = punctuation(min_gap=16, warmup_refresh=8, refresh_interval=64)
+    stream = ids(" is") * 100
+    assert slow_steps(policy, stream) == [7, 71]  # token i is step i + 1 after the bootstrap
+    assert policy.counts == {"warmup": 1, "interval": 1}
+    policy.reset()  # new text: a new bootstrap, a new warm-up
+    assert slow_steps(policy, stream[:20]) == [7]
+
+
+def test_warmup_is_skipped_when_another_refresh_came_first():
+    policy = punctuation(min_gap=0, cooldown=0, warmup_refresh=8, refresh_interval=64)
+    assert slow_steps(policy, ids(".", " It") + ids(" is") * 20) == [1]
+    assert policy.counts == {"sentence": 1}
+
+
+def test_low_confidence_forces_a_slow_step_after_the_minimum_gap():
+    policy = punctuation(min_gap=4, warmup_refresh=0, confidence_floor=0.5, refresh_interval=64)
+    assert policy.reads_confidence and not punctuation().reads_confidence
+    sure, unsure = 0.9, 0.3
+    confidences = [sure, unsure, unsure, sure, unsure, unsure, sure, sure, unsure, unsure, unsure, unsure]
+    fired = []
+    for i, top1 in enumerate(confidences):
+        policy.observe_confidence(top1)
+        if policy.on_token(ID[" is"]):
+            fired.append(i)
+    # steps 1..4 are inside the gap; step 5 (index 4) is unsure and past it; then again 4 steps later
+    assert fired == [4, 8] and policy.counts == {"confidence": 2}
+    policy.reset()
+    assert policy.confidence == 1.0  # a new text starts sure
+
+
+def test_top1_probability():
+    assert top1_probability(np.zeros(4)) == pytest.approx(0.25)
+    assert top1_probability(np.array([0.0, 100.0, 0.0], np.float32)) == pytest.approx(1.0)
+    assert top1_probability(np.log(np.array([0.2, 0.5, 0.3]))) == pytest.approx(0.5)
+
+
+def test_default_punctuation_policy_has_the_warmup_and_the_confidence_trigger():
+    policy = make_policy(SFIConfig(), TABLE)
+    assert (policy.cooldown, policy.min_gap, policy.refresh_interval, policy.sentence_offset, policy.warmup,
+            policy.confidence_floor) == (2, 16, 64, 0, 8, 0.5)
+    assert policy.reads_confidence

@@ -66,13 +66,13 @@ SUITES = {
         models={
             "qwen2.5-coder-0.5b-instruct": {
                 "needle": TaskPlan(contexts=(2048, 4096, 8192, 16384), n_cases=(5, 5, 3, 1)),
-                "variables": TaskPlan(contexts=(2048, 4096, 8192), n_cases=(3, 2, 1)),
+                "variables": TaskPlan(contexts=(2048, 4096, 8192), n_cases=(6, 4, 2)),
                 "longgen": TaskPlan(contexts=(3072,), n_cases=1, options={"n_steps": 1024}),
                 "cot": TaskPlan(contexts=(0,), n_cases=8, n_recent=32),
             },
             "gemma3-270m": {
                 "needle": TaskPlan(contexts=(2048, 4096, 8192), n_cases=(3, 3, 2)),
-                "variables": TaskPlan(contexts=(2048, 4096), n_cases=2),
+                "variables": TaskPlan(contexts=(2048, 4096), n_cases=(4, 2)),
             },
         }),
 }
