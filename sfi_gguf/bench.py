@@ -62,6 +62,7 @@ class BenchRow:
     selection_delay: int = 0       # > 0: the Selector ran in a background thread, overlapped with fast steps
     t_selector_background_s: float = 0.0  # its time there (not on the decoding thread)
     min_context: int = 0           # SFI below this context decodes densely
+    slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
 
 
 def git_commit() -> str:
@@ -170,9 +171,9 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
                 t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
                 flash_attn=ctx.flash_attn, n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(),
                 policy=config.policy, git_commit=commit, split_mode=split_mode, n_gpus=n_gpus,
-                selection_delay=effective.selection_delay or 0,
+                selection_delay=effective.selection_delay,
                 t_selector_background_s=s.t_selector_background if s else 0.0,
-                min_context=effective.min_context or 0)
+                min_context=effective.min_context or 0, slow_reasons=dict(s.reasons) if s else {})
             rows.append(row)
             log(format_row(row))
         return rows
@@ -240,12 +241,15 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--n-sink", type=int, default=4)
     p.add_argument("--n-recent", type=int, default=256)
     p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
-    p.add_argument("--selection-delay", type=int, default=None,
+    p.add_argument("--selection-delay", type=int, default=0,
                    help="fast steps until a new selection is loaded, the Selector running in the background "
-                        "meanwhile (default: 16 with offloaded layers, else 0)")
+                        "meanwhile (default 0; see SFIConfig.selection_delay)")
     p.add_argument("--min-context", type=int, default=None,
                    help="SFI starts at this context (default: 64K with offloaded layers, else the budget)")
     p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
+    p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
+                   help="slow step when the top-1 probability falls below this (0: never). A random-weight "
+                        "model is never sure, so with it this fires every min_gap steps: its worst case")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -263,7 +267,8 @@ def _cmd_bench(args) -> int:
         model = random_model(model, weight_type=args.weight_type, **extra)
     config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy,
                        selection_delay=args.selection_delay,
-                       min_context=args.min_context, refresh_interval=args.refresh_interval)
+                       min_context=args.min_context, refresh_interval=args.refresh_interval,
+                       confidence_floor=args.confidence_floor)
     rows = run_bench(model, model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                      n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                      flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,

@@ -19,9 +19,6 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 # With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
 # it, SFI on the H200 measured slower than dense decoding (BENCHMARKS.md, "Speed on the GPU").
 GPU_MIN_CONTEXT = 65536
-# With layers on a GPU, a new selection is loaded this many fast steps after its slow step (SFIConfig.
-# selection_delay): the Selector runs on the idle host cores meanwhile.
-GPU_SELECTION_DELAY = 16
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
@@ -175,8 +172,6 @@ class SFILlama:
             # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
             # H200 (BENCHMARKS.md, "Speed on the GPU")
             config = dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
-        if config.selection_delay is None:
-            config = dataclasses.replace(config, selection_delay=GPU_SELECTION_DELAY if self.n_gpu_layers else 0)
         from .boundary import PieceTable
         from .policy import make_policy
         from .selector import make_selector

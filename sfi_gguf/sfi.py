@@ -46,7 +46,7 @@ class SFIStats:
     t_fast: float = 0.0
     t_slow: float = 0.0
     t_selector: float = 0.0         # on the decoding thread
-    t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (async_selection)
+    t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (selection_delay > 0)
     n_async: int = 0                # selections computed in the background (selection_delay > 0)
 
     @property
@@ -72,7 +72,7 @@ class SFIStepper:
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
-        self._pending: Future | None = None  # a background Selector run (async_selection)
+        self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
 

@@ -45,18 +45,19 @@ def test_selection_is_loaded_exactly_delay_steps_after_its_slow_step(llm, prompt
     loads = []
     original = SFIStepper._use_selection
 
-    def spy(self, selected, positions=None):
+    def spy(self, selected, *args, **kwargs):
         loads.append(self._n_step)
-        return original(self, selected, positions)
+        return original(self, selected, *args, **kwargs)
 
     monkeypatch.setattr(SFIStepper, "_use_selection", spy)
     config = SFIConfig(k_head=256, min_context=0, policy="fixed", fixed_period=12, selection_delay=5)
     first = _generate(llm, prompt, config)
     s = first.stats.sfi
-    assert s.slow_steps == [12, 24, 36, 48, 60]
-    # the bootstrap is loaded at once (step 0); each slow step's selection before decoding step slow + 6
-    # (the last one, at 60, is still pending when the generation ends and is dropped)
-    assert loads == [0, 18, 30, 42, 54]
+    # the bootstrap is loaded at once (step 0); each slow step's selection before decoding step slow + 6,
+    # and the period counts from there (the memory changes then); the last one, at 63, is still pending
+    # when the generation ends and is dropped
+    assert s.slow_steps == [12, 29, 46, 63]
+    assert loads == [0, 18, 35, 52]
     assert s.t_selector_background > 0
 
     loads.clear()
