@@ -151,27 +151,22 @@ int main(int argc, char ** argv) {
         ggml_tensor * kn = ggml_reshape_3d(ctx, ggml_get_rows(ctx, k_rows, cells), HEAD_DIM, N_HEAD_KV, n_cand);
         return ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, kn)));
     });
-    bench("whole export (patch 0004)", [&](ggml_context * ctx) {
-        ggml_tensor * p = ggml_soft_max_ext(ctx, kq(ctx), in.mask, scale, 0.0f);
-        auto rows = [&](ggml_tensor * t) { return ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, t, n_kv, N_HEAD_KV))); };
-        ggml_tensor * mass = rows(group_sum(ctx, p, n_kv));
-        ggml_tensor * evid = rows(group_sum(ctx, ggml_sqrt(ctx, p), n_kv));
-        ggml_tensor * cells = ggml_top_k(ctx, ggml_reshape_1d(ctx, ggml_sum_rows(ctx, evid), n_kv), n_cand);
-        ggml_tensor * a = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, mass, cells)));
-        ggml_tensor * b = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, evid, cells)));
-        return ggml_add(ctx, a, b);
-    });
-
-    bench("whole export (patch 0006)", [&](ggml_context * ctx) {
-        ggml_tensor * p = ggml_soft_max_ext(ctx, kq(ctx), in.mask, scale, 0.0f);
-        auto rows = [&](ggml_tensor * t) { return ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, t, n_kv, N_HEAD_KV))); };
-        ggml_tensor * mass = rows(group_sum_halving(ctx, p, n_kv));
-        ggml_tensor * evid = rows(group_sum_halving(ctx, ggml_sqrt(ctx, p), n_kv));
-        ggml_tensor * cells = ggml_top_k(ctx, ggml_reshape_1d(ctx, ggml_sum_rows(ctx, evid), n_kv), n_cand);
-        ggml_tensor * a = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, mass, cells)));
-        ggml_tensor * b = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, evid, cells)));
-        return ggml_add(ctx, a, b);
-    });
+    // the export of patch 0004 (mass and evidence of the candidates), with either group sum
+    using group_sum_fn = ggml_tensor * (*)(ggml_context *, ggml_tensor *, int64_t);
+    auto whole_export = [&](group_sum_fn sum) {
+        return [&, sum](ggml_context * ctx) {
+            ggml_tensor * p = ggml_soft_max_ext(ctx, kq(ctx), in.mask, scale, 0.0f);
+            auto rows = [&](ggml_tensor * t) { return ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_2d(ctx, t, n_kv, N_HEAD_KV))); };
+            ggml_tensor * mass = rows(sum(ctx, p, n_kv));
+            ggml_tensor * evid = rows(sum(ctx, ggml_sqrt(ctx, p), n_kv));
+            ggml_tensor * cells = ggml_top_k(ctx, ggml_reshape_1d(ctx, ggml_sum_rows(ctx, evid), n_kv), n_cand);
+            ggml_tensor * a = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, mass, cells)));
+            ggml_tensor * b = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, evid, cells)));
+            return ggml_add(ctx, a, b);
+        };
+    };
+    bench("whole export (patch 0004)", whole_export(group_sum));
+    bench("whole export (patch 0006)", whole_export(group_sum_halving));
 
     ggml_backend_buffer_free(buf);
     ggml_free(ctx_in);
