@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sfi_gguf.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.agreement import compare_with_dense  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
@@ -41,8 +41,7 @@ def main() -> None:
 
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_threads=args.threads, n_gpu_layers=args.n_gpu_layers)
     prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     rows = []
     for policy in args.policy:
         llm.sfi_config = SFIConfig(k_head=args.k_head, policy=policy, selector=args.selector)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -23,6 +22,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sfi_gguf.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.agreement import agreement_with, dense_reference  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
@@ -69,8 +69,7 @@ def main() -> None:
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_threads=args.threads, sfi=SFIConfig(k_head=args.k_head))
     prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
     ref = dense_reference(llm, prompt, args.steps)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     policies = [("fixed", p) for p in args.periods] + ([("punctuation", 0)] if args.punctuation else [])
     rows = []
     for selector in args.selectors:

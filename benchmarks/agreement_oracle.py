@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sfi_gguf.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.agreement import kl_top_n, log_softmax  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
@@ -123,8 +123,7 @@ def main() -> None:
             print(f"step {step + 1}: " + "  ".join(f"{v} {np.mean(top1[v]):.3f}" for v in args.variants),
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
+    commit = git_commit()
     rows = []
     for v in args.variants:
         selector, k_head, lag, options = VARIANTS[v]

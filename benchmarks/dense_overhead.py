@@ -23,17 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sfi_gguf.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf._native import find_lib_dir  # noqa: E402
 from sfi_gguf.models import resolve_model_path  # noqa: E402
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def hardware(n_gpu_layers: int) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from datetime import date
@@ -27,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sfi_gguf.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.texts import natural_text  # noqa: E402
@@ -39,13 +39,6 @@ def rss_mb() -> float:
                 return int(line.split()[1]) / 1024
     return float("nan")
 
-
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main(argv=None) -> None:

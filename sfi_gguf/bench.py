@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from .config import SFIConfig
+from .provenance import git_commit
 
 DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
 
@@ -63,15 +64,6 @@ class BenchRow:
     t_selector_background_s: float = 0.0  # its time there (not on the decoding thread)
     min_context: int = 0           # SFI below this context decodes densely
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
-        return out.stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
@@ -149,7 +141,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         ceiling = dense_at(budget_depth)
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
         rows = []
-        commit, device = git_commit(), hardware(n_gpu_layers, n_gpus)  # once: nvidia-smi is a subprocess
+        commit, device = git_commit(12), hardware(n_gpu_layers, n_gpus)  # once: nvidia-smi is a subprocess
         for depth in depths:
             t0 = time.perf_counter()
             dense_tok_s = dense_at(depth)

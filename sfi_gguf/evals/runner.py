@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ import numpy as np
 
 from .._progress import Progress
 from ..config import K_HEAD_GRANULE, SFIConfig
+from ..provenance import git_commit
 from . import common, cot, longgen, needle, variables
 
 POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
@@ -80,16 +80,6 @@ SUITES = {
 
 def k_head_for(context: int, share: float) -> int:
     return max(K_HEAD_GRANULE, int(context * share) // K_HEAD_GRANULE * K_HEAD_GRANULE)
-
-
-def git_commit() -> str:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def _sfi_summary(s) -> dict | None:
@@ -177,7 +167,7 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
     data = load(path) if path and resume else {"records": [], "rows": []}
     data["suite"] = name
     done = {_key(r) for r in data["records"]}
-    commit = git_commit()
+    commit = git_commit(mark_dirty=True)
     for model_name, plans in suite.models.items():
         if models and model_name not in models:
             continue
