@@ -4,7 +4,7 @@ The functions live in the same patched libllama that llama-cpp-python loaded (`_
 act on the contexts created through `llama_cpp`. See include/llama.h of the patched tree for the
 C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
 
-Typical cycle (one sequence; flash attention on or off):
+Typical cycle (one sequence; flash attention on or off; several sequences: pass seq=, see `batched`):
 
     sfi = SFINative(ctx, n_sel_max=..., n_tail_max=256, n_query_rows=1)
     sfi.set_mode(SFINative.SLOW);  decode(token)        # dense, exact logits + export
@@ -44,7 +44,7 @@ _ERROR_TEXT = {
     ERR_RANGE: "a cell is outside the cache, empty, or not in the sequence",
     ERR_DUPLICATE: "a cell appears twice in one (layer, head) selection",
     ERR_COUNT: "n_sel outside [1, n_sel_max], or the selection shape does not match [n_layers, n_head_kv]",
-    ERR_UNSUPPORTED: "unsupported context (n_seq_max > 1, or an unsupported model/cache)",
+    ERR_UNSUPPORTED: "unsupported context (several sequences in a unified KV cache, or an unsupported model/cache)",
     ERR_ALLOC: "could not allocate the compact buffers",
 }
 
@@ -90,14 +90,14 @@ if HAS_SFI:
     _set_selection = _bind("llama_sfi_set_selection",
                            [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
                            ctypes.c_int32)
-    _get_mass = _bind("llama_sfi_get_mass", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
-    _get_evidence = _bind("llama_sfi_get_evidence", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
-    _get_key_norms = _bind("llama_sfi_get_key_norms", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
     _set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
-    _get_candidates = _bind("llama_sfi_get_candidates", [_ctx_p, _i32p, _i32p], _i32p)
-    _get_n_query_rows = _bind("llama_sfi_get_n_query_rows", [_ctx_p], ctypes.c_int32)
+    _get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
+    _get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
     _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
-    _status = _bind("llama_sfi_status", [_ctx_p], ctypes.c_uint32)
+    _status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
 
 
 def _check(func: str, rc: int) -> int:
@@ -119,7 +119,7 @@ class LayerInfo:
 
 
 class SFINative:
-    """SFI state of one llama_context (created with n_seq_max = 1)."""
+    """SFI state of one llama_context (n_seq_max = 1, or one KV stream per sequence: kv_unified off)."""
 
     DENSE, SLOW, FAST = MODE_DENSE, MODE_SLOW, MODE_FAST
 
@@ -160,8 +160,8 @@ class SFINative:
         _check("llama_sfi_layer_info", _layer_info(self.ctx, i, ctypes.byref(il), ctypes.byref(hkv)))
         return LayerInfo(i, il.value, hkv.value)
 
-    def status(self) -> int:
-        return int(_status(self.ctx))
+    def status(self, seq: int = 0) -> int:
+        return int(_status(self.ctx, seq))
 
     @property
     def view_valid(self) -> bool:
@@ -196,9 +196,9 @@ class SFINative:
         _check("llama_sfi_set_n_candidates", _set_n_candidates(self.ctx, int(n_candidates)))
 
     # -- exports --------------------------------------------------------------------------------
-    def _export(self, fn, name: str) -> np.ndarray | None:
+    def _export(self, fn, name: str, seq: int) -> np.ndarray | None:
         nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
-        ptr = fn(self.ctx, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nc))
+        ptr = fn(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nc))
         if not ptr:
             if not self._initialized:
                 raise SFIError(name, ERR_NOT_INIT)
@@ -209,29 +209,29 @@ class SFINative:
         ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
         return out
 
-    def mass(self) -> np.ndarray | None:
-        """[n_layers, n_head_kv, n_cells] of the last SLOW decode (None if there is none)."""
-        return self._export(_get_mass, "llama_sfi_get_mass")
+    def mass(self, seq: int = 0) -> np.ndarray | None:
+        """[n_layers, n_head_kv, n_cells] of seq's last SLOW decode (None if there is none)."""
+        return self._export(_get_mass, "llama_sfi_seq_get_mass", seq)
 
-    def evidence(self) -> np.ndarray | None:
-        return self._export(_get_evidence, "llama_sfi_get_evidence")
+    def evidence(self, seq: int = 0) -> np.ndarray | None:
+        return self._export(_get_evidence, "llama_sfi_seq_get_evidence", seq)
 
-    def key_norms(self) -> np.ndarray | None:
-        return self._export(_get_key_norms, "llama_sfi_get_key_norms")
+    def key_norms(self, seq: int = 0) -> np.ndarray | None:
+        return self._export(_get_key_norms, "llama_sfi_seq_get_key_norms", seq)
 
-    def candidates(self) -> np.ndarray | None:
+    def candidates(self, seq: int = 0) -> np.ndarray | None:
         """int32 [n_layers, n_cells]: the cells the last export's columns refer to (None: every cell,
         column i is cell i)."""
         nl, nc = ctypes.c_int32(), ctypes.c_int32()
-        ptr = _get_candidates(self.ctx, ctypes.byref(nl), ctypes.byref(nc))
+        ptr = _get_candidates(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nc))
         if not ptr:
             return None
         out = np.empty((nl.value, nc.value), dtype=np.int32)
         ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
         return out
 
-    def n_query_rows(self) -> int:
-        return _check("llama_sfi_get_n_query_rows", _get_n_query_rows(self.ctx))
+    def n_query_rows(self, seq: int = 0) -> int:
+        return _check("llama_sfi_seq_get_n_query_rows", _get_n_query_rows(self.ctx, seq))
 
     def cell_pos(self, seq: int = 0) -> np.ndarray:
         """Position of every cell in seq (-1: empty or another sequence), int32 [kv_size]."""

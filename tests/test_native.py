@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from sfi_gguf import _native
 from sfi_gguf._native import lib, llama_cpp
 from sfi_gguf import native
 from sfi_gguf.native import SFIError, SFINative
@@ -102,13 +103,14 @@ class Ctx:
     """A context for sequence 0 (or n_seq_max sequences) with a reusable batch."""
 
     def __init__(self, model: Model, n_ctx=1024, flash_attn=True, type_kv=GGML_TYPE_F16, n_seq_max=1,
-                 capture: Capture | None = None, n_batch=512):
+                 capture: Capture | None = None, n_batch=512, kv_unified=False):
         self.model = model
         cp = llama_cpp.llama_context_default_params()
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
         cp.n_ubatch = n_batch
         cp.n_seq_max = n_seq_max
+        cp.kv_unified = kv_unified
         cp.n_threads = THREADS
         cp.n_threads_batch = THREADS
         cp.type_k = type_kv
@@ -242,7 +244,7 @@ def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_
 # -- API and errors --------------------------------------------------------------------------------
 
 def test_version_and_default_params():
-    assert lib.llama_sfi_version() == 3
+    assert lib.llama_sfi_version() == _native.EXPECTED_SFI_API_VERSION
     p = native.default_params()
     assert p["n_sel_max"] > 0 and p["n_tail_max"] > 0 and p["n_query_rows"] == 1
 
@@ -270,7 +272,7 @@ def test_calls_before_init_and_after_free(tiny):
 
 
 def test_init_refusals(tiny):
-    c = Ctx(tiny, n_seq_max=2)
+    c = Ctx(tiny, n_seq_max=2, kv_unified=True)  # several sequences need one stream each
     try:
         with pytest.raises(SFIError) as e:
             SFINative(c.ctx)

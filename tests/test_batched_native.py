@@ -1,0 +1,237 @@
+"""Several sequences in one llama_decode batch, each with its own compact view (patch 0007).
+
+The references are ordinary dense decodes: a multi-sequence context without SFI fed the same batches
+(bit-identical when every cell is selected in order), and single-sequence contexts (per-sequence
+exports). Random-weight models, so the tests run anywhere; SFI_TEST_NGL puts them on a GPU.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sfi_gguf import native
+from sfi_gguf._native import llama_cpp
+from sfi_gguf.native import SFINative
+from test_native import FLASH_ATTN, THREADS, Ctx, Model, all_cells, tiny, tokens_for  # noqa: F401  (fixture)
+
+N_SEQ = 3
+PROMPTS = (150, 201, 120)  # different lengths: the views differ in size and cells
+N_CTX_SEQ = 512
+
+
+class MultiCtx:
+    """A context with one KV stream per sequence and a batch of up to one token per sequence."""
+
+    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True):
+        self.model = model
+        cp = llama_cpp.llama_context_default_params()
+        cp.n_ctx = n_seq * N_CTX_SEQ
+        cp.n_batch = cp.n_ubatch = 512
+        cp.n_seq_max = n_seq
+        cp.kv_unified = False
+        cp.n_threads = cp.n_threads_batch = THREADS
+        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
+        self.ctx = llama_cpp.llama_init_from_model(model.ptr, cp)
+        assert self.ctx
+        self.mem = llama_cpp.llama_get_memory(self.ctx)
+        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        self.n_past = [0] * n_seq
+
+    def prefill(self, seq, tokens):
+        self._decode([(seq, t, self.n_past[seq] + i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+        self.n_past[seq] += len(tokens)
+
+    def step(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
+        """One token for each sequence in `tokens` (seq -> token), in one llama_decode; logits per seq."""
+        seqs = sorted(tokens)
+        self._decode([(s, tokens[s], self.n_past[s], True) for s in seqs])
+        out = {}
+        for i, s in enumerate(seqs):
+            self.n_past[s] += 1
+            p = llama_cpp.llama_get_logits_ith(self.ctx, i)
+            out[s] = np.ctypeslib.as_array(p, shape=(self.model.n_vocab,)).copy()
+        return out
+
+    def _decode(self, items):
+        b = self.batch
+        b.n_tokens = len(items)
+        for i, (seq, tok, pos, logits) in enumerate(items):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = int(tok), pos, 1, seq, logits
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
+
+    def close(self):
+        llama_cpp.llama_batch_free(self.batch)
+        llama_cpp.llama_free(self.ctx)
+
+
+def prefill_all(ctx: MultiCtx, model):
+    for s, n in enumerate(PROMPTS):
+        ctx.prefill(s, tokens_for(model, n, seed=10 + s))
+
+
+def seq_cells(sfi: SFINative, seq: int) -> np.ndarray:
+    return np.flatnonzero(sfi.cell_pos(seq) >= 0).astype(np.int32)
+
+
+def select_all(sfi: SFINative, seq: int, order=None) -> None:
+    cells = seq_cells(sfi, seq)
+    sel = np.broadcast_to(cells, (sfi.n_layers, sfi.n_head_kv, len(cells))) if order is None else cells[order]
+    sfi.set_selection(np.ascontiguousarray(sel), seq=seq)
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_all_cells_per_sequence_is_bit_identical(tiny, flash_attn):
+    """Every sequence selects all its cells: a batched FAST step equals the batched dense step."""
+    a, b = MultiCtx(tiny, flash_attn=flash_attn), MultiCtx(tiny, flash_attn=flash_attn)
+    try:
+        prefill_all(a, tiny)
+        prefill_all(b, tiny)
+        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+        for s in range(N_SEQ):
+            select_all(sfi, s)
+        sfi.set_mode(sfi.FAST)
+        toks = {s: 5 + s for s in range(N_SEQ)}
+        for _ in range(24):
+            la, lb = a.step(toks), b.step(toks)
+            for s in range(N_SEQ):
+                assert sfi.status(s) & native.STATUS_LAST_FAST
+                assert np.array_equal(la[s], lb[s]), s
+            toks = {s: int(np.argmax(la[s])) for s in range(N_SEQ)}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_sequences_see_only_their_own_cells(tiny):
+    """A window selection (sink + last cells) per sequence in one batch equals the same selection in a
+    single-sequence context: a view gathered from another sequence's stream would not."""
+    b = MultiCtx(tiny)
+    singles = [Ctx(tiny, n_ctx=N_CTX_SEQ) for _ in range(N_SEQ)]
+    try:
+        prefill_all(b, tiny)
+        sfi_b = SFINative(b.ctx, n_sel_max=64, n_tail_max=64)
+        sfi_1 = []
+        for s, n in enumerate(PROMPTS):
+            singles[s].decode(tokens_for(tiny, n, seed=10 + s))
+            sfi_1.append(SFINative(singles[s].ctx, n_sel_max=64, n_tail_max=64))
+            window = np.concatenate([np.arange(4), np.arange(n - 40, n)]).astype(np.int32)
+            sel = np.ascontiguousarray(np.broadcast_to(window, (sfi_b.n_layers, sfi_b.n_head_kv, len(window))))
+            sfi_b.set_selection(sel, seq=s)
+            sfi_1[s].set_selection(sel)
+            sfi_1[s].set_mode(SFINative.FAST)
+        sfi_b.set_mode(SFINative.FAST)
+        toks = {s: 7 for s in range(N_SEQ)}
+        for _ in range(16):
+            lb = b.step(toks)
+            for s in range(N_SEQ):
+                singles[s].decode([toks[s]])
+                l1 = singles[s].logits()
+                assert np.abs(lb[s] - l1).max() < 5e-3 and lb[s].argmax() == l1.argmax(), s
+            toks = {s: int(np.argmax(lb[s])) for s in range(N_SEQ)}
+    finally:
+        b.close()
+        for c in singles:
+            c.close()
+
+
+@pytest.mark.parametrize("n_candidates", [0, 64])
+def test_batched_slow_step_exports_per_sequence(tiny, n_candidates):
+    """A SLOW batch of every sequence exports, per sequence, what a single-sequence slow step exports."""
+    b = MultiCtx(tiny)
+    singles = [Ctx(tiny, n_ctx=N_CTX_SEQ) for _ in range(N_SEQ)]
+    try:
+        prefill_all(b, tiny)
+        sfi_b = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+        sfi_b.set_n_candidates(n_candidates)
+        sfi_b.set_mode(SFINative.SLOW)
+        b.step({s: 9 for s in range(N_SEQ)})
+        for s, n in enumerate(PROMPTS):
+            singles[s].decode(tokens_for(tiny, n, seed=10 + s))
+            sfi_1 = SFINative(singles[s].ctx, n_sel_max=256, n_tail_max=64)
+            sfi_1.set_n_candidates(n_candidates)
+            sfi_1.set_mode(SFINative.SLOW)
+            singles[s].decode([9])
+            for get in ("mass", "evidence", "key_norms"):
+                x, ref = getattr(sfi_b, get)(s), getattr(sfi_1, get)()
+                if n_candidates:  # the same cells (their order may differ on ties): compare per cell
+                    cx, cr = sfi_b.candidates(s), sfi_1.candidates()
+                    assert np.array_equal(np.sort(cx, axis=1), np.sort(cr, axis=1)), s
+                    x = np.take_along_axis(x, np.argsort(cx, axis=1)[:, None, :], axis=2)
+                    ref = np.take_along_axis(ref, np.argsort(cr, axis=1)[:, None, :], axis=2)
+                n_cells = min(x.shape[2], ref.shape[2])  # n_kv is padded to the largest stream
+                err = np.abs(x[:, :, :n_cells] - ref[:, :, :n_cells]).max() / np.abs(ref).max()
+                assert err < 1e-3, (s, get, err)  # the batch of 3 rounds differently from a batch of 1
+                assert not np.any(x[:, :, n_cells:]), (s, get)
+            assert sfi_b.n_query_rows(s) == 1
+    finally:
+        b.close()
+        for c in singles:
+            c.close()
+
+
+def test_mixed_slow_and_fast_sequences(tiny):
+    """Per step some sequences slow (one SLOW llama_decode), the others fast (one FAST llama_decode, not
+    necessarily consecutive sequence ids); a slow sequence reloads all its cells ordered by mass."""
+    a, b = MultiCtx(tiny), MultiCtx(tiny)
+    try:
+        prefill_all(a, tiny)
+        prefill_all(b, tiny)
+        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+        for s in range(N_SEQ):
+            select_all(sfi, s)
+        toks = {s: 3 for s in range(N_SEQ)}
+        for step in range(12):
+            slow = {step % N_SEQ} if step % 2 else set()  # sequence 1 slow: fast ones are 0 and 2
+            la = a.step(toks)
+            lb = {}
+            if slow:
+                sfi.set_mode(SFINative.SLOW)
+                lb.update(b.step({s: toks[s] for s in slow}))
+            sfi.set_mode(SFINative.FAST)
+            lb.update(b.step({s: toks[s] for s in toks if s not in slow}))
+            for s in range(N_SEQ):
+                assert np.abs(la[s] - lb[s]).max() < 5e-3 and la[s].argmax() == lb[s].argmax(), (step, s)
+                assert bool(sfi.status(s) & native.STATUS_VIEW_VALID) == (s not in slow)
+            for s in slow:
+                mass = sfi.mass(s)
+                assert mass is not None and sfi.mass((s + 1) % N_SEQ) is None
+                cells = seq_cells(sfi, s)
+                order = np.argsort(-mass[:, :, cells], axis=-1, kind="stable")
+                select_all(sfi, s, order)
+            toks = {s: int(np.argmax(la[s])) for s in range(N_SEQ)}
+    finally:
+        a.close()
+        b.close()
+
+
+def test_cache_edit_invalidates_only_that_sequence(tiny):
+    b = MultiCtx(tiny)
+    try:
+        prefill_all(b, tiny)
+        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+        for s in range(N_SEQ):
+            select_all(sfi, s)
+        sfi.set_mode(SFINative.FAST)
+        b.step({s: 4 for s in range(N_SEQ)})
+        assert llama_cpp.llama_memory_seq_rm(b.mem, 1, PROMPTS[1] - 10, -1)
+        b.n_past[1] = PROMPTS[1] - 10
+        valid = [bool(sfi.status(s) & native.STATUS_VIEW_VALID) for s in range(N_SEQ)]
+        assert valid == [True, False, True]
+        b.step({0: 4, 2: 4})  # the other sequences stay fast
+        assert sfi.last_fast and not sfi.fell_back_dense
+        b.step({0: 4, 1: 4, 2: 4})  # a batch with an invalid view runs dense, and its views are stale
+        assert sfi.fell_back_dense and not sfi.last_fast
+        assert not any(sfi.status(s) & native.STATUS_VIEW_VALID for s in range(N_SEQ))
+    finally:
+        b.close()
+
+
+def test_unified_cache_with_several_sequences_is_refused(tiny):
+    c = Ctx(tiny, n_seq_max=2, kv_unified=True)
+    try:
+        with pytest.raises(native.SFIError) as e:
+            SFINative(c.ctx)
+        assert e.value.code == native.ERR_UNSUPPORTED
+    finally:
+        c.close()
