@@ -37,10 +37,13 @@ def _available_memory() -> int | None:
 
 
 class LlamaContext:
-    """Model, context, vocabulary and a reusable batch for sequence 0.
+    """Model, context, vocabulary and a reusable batch for one sequence (`seq`, 0 by default).
 
-    The KV cache content is tracked as `self.tokens`: token i sits at position i. Callers that change
-    the cache go through `truncate` so this list never lies.
+    The KV cache content of the sequence is tracked as `self.tokens`: token i sits at position i.
+    Callers that change the cache go through `truncate` so this list never lies.
+
+    With n_seq_max > 1 the context holds that many sequences of n_ctx cells each, one KV stream per
+    sequence (batched SFI, `sfi_gguf.batched`); `sequence(s)` gives the handle of sequence s.
     """
 
     KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30, "f32": 0}
@@ -50,8 +53,13 @@ class LlamaContext:
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
                  main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
-                 rpc_servers: Sequence[str] | None = None):
+                 rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1):
+        if n_seq_max < 1:
+            raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         llama_cpp._logger.set_verbose(verbose)
+        self.seq = 0
+        self._owner = True      # closes the model and context (sequence handles do not)
+        self.logits_index = -1  # row of this sequence's logits in the last llama_decode's outputs
         llama_cpp.llama_backend_init()
         self.model = None
         self.ctx = None
@@ -74,16 +82,17 @@ class LlamaContext:
             self.close()
             raise ValueError(f"n_ctx={n_ctx} is above the model's training context ({self.n_ctx_train})")
         try:
-            self._check_memory(n_ctx, n_gpu_layers, type_kv)
+            self._check_memory(n_ctx * n_seq_max, n_gpu_layers, type_kv)
         except MemoryError:
             self.close()
             raise
         n_threads = n_threads or default_threads()
         cparams = llama_cpp.llama_context_default_params()
-        cparams.n_ctx = n_ctx
-        cparams.n_batch = min(n_batch, n_ctx)
-        cparams.n_ubatch = min(n_batch, n_ctx, 512)
-        cparams.n_seq_max = 1
+        cparams.n_ctx = n_ctx * n_seq_max
+        cparams.n_batch = max(min(n_batch, n_ctx), n_seq_max)
+        cparams.n_ubatch = max(min(n_batch, n_ctx, 512), n_seq_max)
+        cparams.n_seq_max = n_seq_max
+        cparams.kv_unified = False  # one KV stream per sequence: what batched SFI needs
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
         if type_kv not in self.KV_TYPES:
@@ -98,8 +107,9 @@ class LlamaContext:
             raise MemoryError(f"llama.cpp could not create a context with n_ctx={n_ctx} "
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
-        self.n_ctx = llama_cpp.llama_n_ctx(ctx)
-        self.n_batch = cparams.n_batch
+        self.n_seq_max = n_seq_max
+        self.n_ctx = llama_cpp.llama_n_ctx(ctx) // n_seq_max  # cells per sequence
+        self.n_batch = min(cparams.n_batch, n_ctx)
         self.flash_attn = flash_attn
         self.memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
@@ -154,6 +164,16 @@ class LlamaContext:
             raise MemoryError(f"n_ctx={n_ctx} needs at least {need / 2**30:.1f} GiB for the KV cache, this machine "
                               f"has {available / 2**30:.1f} GiB available; use a smaller n_ctx")
 
+    def sequence(self, seq: int) -> "LlamaContext":
+        """The handle of sequence seq of this context: same model and cache, its own token list and batch."""
+        if not 0 <= seq < self.n_seq_max:
+            raise ValueError(f"seq must be in [0, {self.n_seq_max}), got {seq}")
+        handle = object.__new__(LlamaContext)
+        handle.__dict__.update(self.__dict__)
+        handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
+        handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        return handle
+
     def _closed(self) -> ContextError:
         return ContextError("the model was closed (SFILlama.close()); create a new one")
 
@@ -162,6 +182,9 @@ class LlamaContext:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        if not self._owner:
+            self.ctx = self.model = None
+            return
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
@@ -214,7 +237,7 @@ class LlamaContext:
 
     def last_logits(self) -> np.ndarray:
         """Logits of the last decoded token: a zero-copy float32 view, valid until the next decode."""
-        ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, -1), ctypes.POINTER(ctypes.c_float))
+        ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, self.logits_index), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def is_eog(self, token: int) -> bool:
@@ -226,8 +249,8 @@ class LlamaContext:
         if not self.ctx:
             raise self._closed()
         if n_keep < len(self.tokens):
-            if not llama_cpp.llama_memory_seq_rm(self.memory, 0, n_keep, -1):
-                llama_cpp.llama_memory_clear(self.memory, True)
+            if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, n_keep, -1):
+                self.clear()
                 n_keep = 0
             del self.tokens[n_keep:]
 
@@ -241,9 +264,9 @@ class LlamaContext:
         """
         if not self.ctx:
             raise self._closed()
-        n_cached = llama_cpp.llama_memory_seq_pos_max(self.memory, 0) + 1
+        n_cached = llama_cpp.llama_memory_seq_pos_max(self.memory, self.seq) + 1
         if n_cached > len(self.tokens):
-            if not llama_cpp.llama_memory_seq_rm(self.memory, 0, len(self.tokens), -1):
+            if not llama_cpp.llama_memory_seq_rm(self.memory, self.seq, len(self.tokens), -1):
                 self.clear()
         elif n_cached < len(self.tokens):
             del self.tokens[max(n_cached, 0):]
@@ -251,7 +274,10 @@ class LlamaContext:
     def clear(self) -> None:
         if not self.ctx:
             raise self._closed()
-        llama_cpp.llama_memory_clear(self.memory, True)
+        if self.n_seq_max == 1:
+            llama_cpp.llama_memory_clear(self.memory, True)
+        else:
+            llama_cpp.llama_memory_seq_rm(self.memory, self.seq, -1, -1)
         self.tokens.clear()
 
     # -- decoding -------------------------------------------------------------------------------
@@ -263,7 +289,7 @@ class LlamaContext:
             batch.token[i] = tok
             batch.pos[i] = start_pos + i
             batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = 0
+            batch.seq_id[i][0] = self.seq
             batch.logits[i] = 0
         if want_last_logits:
             batch.logits[n - 1] = 1
@@ -279,6 +305,7 @@ class LlamaContext:
         if len(self.tokens) + len(tokens) > self.n_ctx:
             raise ContextError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx={self.n_ctx}")
         self._fill(tokens, len(self.tokens), want_last_logits)
+        self.logits_index = -1
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
@@ -294,8 +321,9 @@ class LlamaContext:
         batch.token[0] = token
         batch.pos[0] = pos
         batch.n_seq_id[0] = 1
-        batch.seq_id[0][0] = 0
+        batch.seq_id[0][0] = self.seq
         batch.logits[0] = 1
+        self.logits_index = -1
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")

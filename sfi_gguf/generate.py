@@ -59,6 +59,12 @@ class DenseStepper:
     def step(self, token: int) -> None:
         self.ctx.decode_one(token)
 
+    def plan(self, token: int) -> str:
+        return "dense"
+
+    def finish(self, kind: str, seconds: float) -> None:
+        pass
+
     def annotate(self, stats: GenerationStats) -> None:
         pass
 

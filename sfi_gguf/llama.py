@@ -38,6 +38,8 @@ class SFILlama:
     CPU flash attention reads the KV cache once per query head), but then a prompt served from the
     cache (its last token re-decoded alone) may continue differently from a fresh prefill after some
     tokens, as in llama.cpp; on (the default) keeps repeated greedy calls identical.
+    `n_parallel`: sequences the context holds (n_ctx cells each, one KV stream each) for
+    `generate_batch`, which decodes them together; `generate` uses the first.
     `split_mode` ("layer", the default, "row" or "none"), `main_gpu` and `tensor_split` place the
     offloaded layers on several GPUs as in llama-cpp-python's `Llama`; SFI needs whole layers on one
     device ("layer" or "none"). `rpc_servers` ("host:port" of llama.cpp `rpc-server` processes, a list
@@ -48,13 +50,16 @@ class SFILlama:
                  n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int = 512,
                  flash_attn: bool = True, verbose: bool = False, progress: bool = False,
                  sfi: SFIConfig | str | bool | None = True, split_mode: str = "layer", main_gpu: int = 0,
-                 tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None):
+                 tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None,
+                 n_parallel: int = 1):
         if n_ctx < 0:
             raise ValueError(f"n_ctx must be >= 0 (0 = the model's training context), got {n_ctx}")
         if n_batch < 1:
             raise ValueError(f"n_batch must be >= 1, got {n_batch}")
         if n_threads is not None and n_threads < 1:
             raise ValueError(f"n_threads must be >= 1, got {n_threads}")
+        if not isinstance(n_parallel, int) or n_parallel < 1:
+            raise ValueError(f"n_parallel must be an int >= 1, got {n_parallel!r}")
         self.sfi_config = _sfi_config(sfi)
         self.split_mode = split_mode
         _check_split(self.sfi_config, split_mode)
@@ -63,7 +68,8 @@ class SFILlama:
         self.progress = progress
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose, split_mode=split_mode,
-                                 main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers)
+                                 main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers,
+                                 n_seq_max=n_parallel)
         try:
             _check_fits(self.sfi_config, self._ctx.n_ctx)
         except ValueError:
@@ -74,6 +80,7 @@ class SFILlama:
         self._sfi_native = None
         self._pieces = None
         self._chat_formatter = None
+        self._batched = None  # BatchedDecoder, created by the first generate_batch
 
     # -- properties -----------------------------------------------------------------------------
     @property
@@ -89,6 +96,9 @@ class SFILlama:
         self._ctx.clear()
 
     def close(self) -> None:
+        if self._batched is not None:
+            self._batched.close()
+            self._batched = None
         if self._sfi_native is not None:
             self._sfi_native.free()
             self._sfi_native = None
@@ -156,15 +166,19 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
-    def _stepper(self, config: SFIConfig | None = None):
-        """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept)."""
+    def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None):
+        """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
+
+        ctx: the sequence to step (default: the first); batched generation passes each slot's.
+        """
         from .native import SFINative
 
         config = config or self.sfi_config
+        ctx = ctx or self._ctx
         if config.policy == "dense":
             if self._sfi_native is not None and self._sfi_native._initialized:
                 self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
-            return DenseStepper(self._ctx)
+            return DenseStepper(ctx)
         _check_fits(config, self.n_ctx)
         _check_split(config, self.split_mode)
         if self.n_gpu_layers and config.min_context is None:
@@ -190,8 +204,12 @@ class SFILlama:
             self._sfi_native.init(**params)  # the config changed since (new budgets), or a re-init failed
         if self._pieces is None and config.policy == "punctuation":
             self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
-        return SFIStepper(self._ctx, self._sfi_native, config, make_policy(config, self._pieces),
-                          make_selector(config))
+        native = self._sfi_native
+        if self._ctx.n_seq_max > 1:
+            from .batched import SequenceNative
+
+            native = SequenceNative(native, ctx.seq)
+        return SFIStepper(ctx, native, config, make_policy(config, self._pieces), make_selector(config))
 
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
@@ -243,6 +261,44 @@ class SFILlama:
             sampler.close()
         return Completion(text=text, tokens=out_tokens, finish_reason=stats.finish_reason, stats=stats,
                           logprobs=sampler.logprobs if logprobs is not None else None)
+
+    def generate_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256, temperature: float = 0.8,
+                       top_p: float = 0.95, top_k: int = 40, seed: int | None = None,
+                       stop: str | Sequence[str] | None = None, min_p: float = 0.05, repeat_penalty: float = 1.0,
+                       ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
+                       sfi: SFIConfig | str | bool | None = None) -> list[Completion]:
+        """Continue several prompts together: one `Completion` per prompt, in order.
+
+        Up to `n_parallel` (see the constructor) sequences decode in the same llama_decode calls, each
+        with its own SFI state (sampling seed: `seed + i` for prompt i when a seed is given); more
+        prompts wait for a free sequence. Every prompt is prefilled anew (no prefix reuse).
+        """
+        from .batched import BatchedDecoder, Request
+
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        if isinstance(prompts, str) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompts")
+        config = self.sfi_config if sfi is None else _sfi_config(sfi)
+        stop_list = [stop] if isinstance(stop, str) else list(stop or [])
+        requests = []
+        for i, prompt in enumerate(prompts):
+            tokens = self.prompt_tokens(prompt)
+            if len(tokens) >= self.n_ctx:
+                raise ValueError(f"prompt {i} has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
+            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                    repeat_penalty=repeat_penalty, seed=None if seed is None else seed + i,
+                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
+            params.validate()
+            requests.append(Request(tokens=tokens, sampler=Sampler(params), max_tokens=max_tokens,
+                                    stop=stop_list, ignore_eos=ignore_eos))
+        self._generation += 1  # the shared cache is rebuilt: an earlier stream must not decode any more
+        if self._batched is None:
+            self._batched = BatchedDecoder(self._ctx, None, lambda: self._sfi_native)
+        self._batched.make_stepper = lambda ctx: self._stepper(config, ctx)
+        self._batched.run(requests, progress=self.progress)
+        self.last_stats = requests[-1].stats
+        return [r.completion() for r in requests]
 
     # -- llama-cpp-python's API (sfi_gguf/openai_api.py) -------------------------------------------
     def create_completion(self, prompt: Union[str, Sequence[int]], *args, **kwargs):

@@ -92,7 +92,7 @@ class Sampler:
             token = int(np.argmax(ctx.last_logits()))
             llama_cpp.llama_sampler_accept(self._chain, token)
         else:
-            token = llama_cpp.llama_sampler_sample(self._chain, ctx.ctx, -1)
+            token = llama_cpp.llama_sampler_sample(self._chain, ctx.ctx, ctx.logits_index)
         if self.n_logprobs is not None:
             self.logprobs.append(_top_logprobs(ctx.last_logits(), token, self.n_logprobs))
         return token

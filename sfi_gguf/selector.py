@@ -558,7 +558,8 @@ def refresh_overlap(old: np.ndarray, new: np.ndarray, per_head: bool = False) ->
     # a bitmap of the old row's cells, row by row: cheaper than sorting all keys (a refresh at 128K has
     # 36 x 8 rows of 2048 cells, and this runs on the decoding thread)
     mark = np.zeros(int(max(old.max(initial=0), new.max(initial=0))) + 1, dtype=bool)
-    old_rows, new_rows = old.reshape(-1, old.shape[-1]), new.reshape(-1, new.shape[-1])
+    n_rows = int(np.prod(new.shape[:-1]))  # not -1: an empty old selection has no size to infer it from
+    old_rows, new_rows = old.reshape(n_rows, old.shape[-1]), new.reshape(n_rows, new.shape[-1])
     hits = np.empty(len(new_rows), dtype=np.int64)
     for i, (o, n) in enumerate(zip(old_rows, new_rows)):
         mark[o] = True

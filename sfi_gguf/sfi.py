@@ -75,6 +75,8 @@ class SFIStepper:
         self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
+        self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
+        self._reason: str | None = None   # why the planned slow step fires
 
     # -- budgets ----------------------------------------------------------------------------------
     def _k_head(self, n_context: int) -> int:
@@ -98,11 +100,13 @@ class SFIStepper:
         self.native.set_mode(SFINative.DENSE)
         self.policy.reset(context=tokens[-8:])
         n = len(tokens)
+        self._top1 = None
         if not self._wants_sparse(n):
             return self.ctx.prefill(tokens, progress=progress)
         if self.policy.memory is MemoryMode.SINK_RECENT:
             decoded = self.ctx.prefill(tokens, progress=progress)
             self._load_memory(self._no_selection())
+            self._note_logits()
             return decoded
         # the final chunk of the prefill is the bootstrap slow step: its last (up to
         # n_prefill_queries) tokens are the query rows of the export. When the cache already holds
@@ -115,14 +119,26 @@ class SFIStepper:
         self.stats.t_slow += time.perf_counter() - self._t_bootstrap
         self.stats.n_bootstrap += 1
         self._refresh_from_export()
+        self._note_logits()
         return decoded
 
     def step(self, token: int) -> None:
+        kind = self.plan(token)
+        t0 = time.perf_counter()
+        self.ctx.decode_one(token)
+        self.finish(kind, time.perf_counter() - t0)
+
+    def plan(self, token: int) -> str:
+        """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), mode set.
+
+        Split from `finish` so that a batched loop (`sfi_gguf.batched`) can decode the tokens of many
+        sequences, grouped by kind, between the two.
+        """
         self._n_step += 1
         if self._pending is not None and self._n_step >= self._load_at:
             self._load_pending()
-        if self._sparse and self.policy.reads_confidence:  # the distribution `token` came from: still sure?
-            self.policy.observe_confidence(top1_probability(self.ctx.last_logits()))
+        if self._top1 is not None:  # the distribution `token` came from: still sure?
+            self.policy.observe_confidence(self._top1)
         slow = self.policy.on_token(token)
         reason = self.policy.reason if slow else None
         n_after = len(self.ctx.tokens) + 1
@@ -133,30 +149,45 @@ class SFIStepper:
                 if not slow:
                     self._load_memory(self._no_selection())
             else:
-                self._timed_decode(token, "t_dense")
-                self.stats.n_dense += 1
-                return
+                return "dense"
         if self._sparse and not slow and self._tail >= self.native.params["n_tail_max"]:
             self._cheap_refresh()
         if slow:
             if self._pending is not None:  # a slow step overwrites the export the Selector reads
                 self._load_pending()
             self._set_slow(n_after)
-            self._timed_decode(token, "t_slow")
+            self._reason = reason
+            return "slow"
+        return "fast"
+
+    def finish(self, kind: str, seconds: float) -> None:
+        """Everything after the decode of a step of `kind` that took `seconds`."""
+        if kind == "dense":
+            self.stats.t_dense += seconds
+            self.stats.n_dense += 1
+        elif kind == "slow":
+            self.stats.t_slow += seconds
             self.stats.n_slow += 1
             self.stats.slow_steps.append(self._n_step)
-            if reason:
-                self.stats.reasons[reason] = self.stats.reasons.get(reason, 0) + 1
+            if self._reason:
+                self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
             self._refresh_from_export(background=bool(self.config.selection_delay) and self._selected is not None)
-            return
-        self._timed_decode(token, "t_fast")
-        self._tail += 1
-        self.stats.n_fast += 1
-        if self.native.fell_back_dense:
-            # the view was invalidated under us (cache edited): next step re-bootstraps with a slow step
-            self.stats.n_fell_back += 1
-            self._sparse = False
-            self.native.set_mode(SFINative.DENSE)
+        else:
+            self.stats.t_fast += seconds
+            self._tail += 1
+            self.stats.n_fast += 1
+            if self.native.fell_back_dense:
+                # the view was invalidated under us (cache edited): next step re-bootstraps with a slow step
+                self.stats.n_fell_back += 1
+                self._sparse = False
+                self.native.set_mode(SFINative.DENSE)
+        self._note_logits()
+
+    def _note_logits(self) -> None:
+        """Read what the policy needs from the step's logits while they are there (a batched loop's next
+        llama_decode overwrites them): the top-1 probability, on sparse steps only (one softmax)."""
+        self._top1 = (top1_probability(self.ctx.last_logits())
+                      if self._sparse and self.policy.reads_confidence else None)
 
     def annotate(self, stats) -> None:
         self._drop_pending()
@@ -175,11 +206,6 @@ class SFIStepper:
     def _begin_bootstrap(self) -> None:
         self._set_slow(self._n_prompt)
         self._t_bootstrap = time.perf_counter()
-
-    def _timed_decode(self, token: int, bucket: str) -> None:
-        t0 = time.perf_counter()
-        self.ctx.decode_one(token)
-        setattr(self.stats, bucket, getattr(self.stats, bucket) + time.perf_counter() - t0)
 
     def _positions(self) -> np.ndarray:
         return self.native.cell_pos()

@@ -395,6 +395,8 @@ def test_refresh_overlap_is_the_share_of_new_cells_already_selected():
     assert refresh_overlap(old, new[..., 2:]) == pytest.approx(2 / 4)  # another k: [9, 10] and [7, 8]
     with pytest.raises(ValueError):
         refresh_overlap(old, new[0])
+    # an empty previous selection (the context was too short for one): nothing is kept
+    assert refresh_overlap(old[..., :0], new) == 0.0
 
 
 def test_registry_and_config():

@@ -1,0 +1,288 @@
+"""Batched SFI: several sequences decode together, one token each per step (server slots, agent swarms).
+
+One llama_context holds up to n_parallel sequences, one KV stream each (patch 0007: each sequence has
+its own compact view, selection and exports). Every active sequence has its own stepper (policy,
+Selector, view) and sampler. A step
+
+    plans each sequence's next token (slow, dense or fast: `SFIStepper.plan`),
+    decodes the tokens of each kind in one llama_decode (slow first, fast last),
+    and, while a group's logits are there, finishes its sequences (the Selector for the slow ones)
+    and samples their next tokens.
+
+So the weights are read once per kind of step, not once per sequence, and fast sequences read only
+their compact views. `BatchedDecoder` keeps slots that requests join and leave between steps;
+`SFILlama.generate_batch` and `sfi-gguf serve --parallel` use it.
+"""
+from __future__ import annotations
+
+import codecs
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from ._native import llama_cpp
+from .context import ContextError, LlamaContext
+from .generate import Completion, GenerationStats, _StopFilter
+from .native import STATUS_FELL_BACK_DENSE, SFINative
+from .sampling import Sampler
+
+# llama_decode order of the groups: the fast group last, it is the largest and its status bits are
+# the ones a fast sequence reads back (fell back to dense or not)
+GROUP_ORDER = ("slow", "dense", "fast")
+GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINative.FAST}
+
+
+class SequenceNative:
+    """The `SFINative` calls of one sequence: what `SFIStepper` needs, with the sequence id filled in.
+
+    The mode and candidate count are kept per sequence; they act when the sequence decodes alone (its
+    prefill), and the batch loop applies them per group before each grouped llama_decode.
+    """
+
+    def __init__(self, native: SFINative, seq: int):
+        self.base, self.seq = native, seq
+        self.mode = SFINative.DENSE
+        self.n_candidates = 0
+
+    @property
+    def params(self) -> dict:
+        return self.base.params
+
+    @property
+    def n_layers(self) -> int:
+        return self.base.n_layers
+
+    @property
+    def n_head_kv(self) -> int:
+        return self.base.n_head_kv
+
+    @property
+    def fell_back_dense(self) -> bool:
+        return bool(self.base.status(self.seq) & STATUS_FELL_BACK_DENSE)
+
+    def set_mode(self, mode: int) -> None:
+        self.mode = mode
+        self.base.set_mode(mode)
+
+    def set_n_candidates(self, n_candidates: int) -> None:
+        self.n_candidates = n_candidates
+        self.base.set_n_candidates(n_candidates)
+
+    def set_selection(self, cells) -> None:
+        self.base.set_selection(cells, seq=self.seq)
+
+    def mass(self):
+        return self.base.mass(self.seq)
+
+    def evidence(self):
+        return self.base.evidence(self.seq)
+
+    def key_norms(self):
+        return self.base.key_norms(self.seq)
+
+    def candidates(self):
+        return self.base.candidates(self.seq)
+
+    def n_query_rows(self) -> int:
+        return self.base.n_query_rows(self.seq)
+
+    def cell_pos(self):
+        return self.base.cell_pos(self.seq)
+
+
+@dataclass
+class Request:
+    """One generation in a slot: what to decode, and where its text goes."""
+
+    tokens: Sequence[int]
+    sampler: Sampler
+    max_tokens: int
+    stop: Sequence[str] = ()
+    ignore_eos: bool = False
+    on_piece: Callable[[str], None] | None = None   # called with each text piece as it is decoded
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    out_tokens: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    done: bool = False
+
+    def completion(self) -> Completion:
+        return Completion(text="".join(self.text), tokens=self.out_tokens, finish_reason=self.stats.finish_reason,
+                          stats=self.stats, logprobs=self.sampler.logprobs if self.sampler.n_logprobs is not None else None)
+
+
+class _Slot:
+    def __init__(self, ctx: LlamaContext):
+        self.ctx = ctx
+        self.request: Request | None = None
+        self.stepper = None
+        self.token = -1           # sampled, not decoded yet
+        self.utf8 = None
+        self.stops: _StopFilter | None = None
+        self.t_decode = 0.0
+
+
+class BatchedDecoder:
+    """Slots of one multi-sequence context; requests join (`add`) and leave (when done) between steps.
+
+    make_stepper(ctx) returns the stepper of a slot (dense or SFI) for its sequence; native() the context's
+    `SFINative` once SFI is initialised (None before), whose mode the loop sets per group.
+    """
+
+    def __init__(self, base: LlamaContext, make_stepper: Callable, native: Callable[[], SFINative | None]):
+        if base.n_seq_max < 1:
+            raise ValueError("the context holds no sequence")
+        self.base = base
+        self.make_stepper = make_stepper
+        self.slots = [_Slot(base if s == 0 else base.sequence(s)) for s in range(base.n_seq_max)]
+        self._batch = llama_cpp.llama_batch_init(base.n_seq_max, 0, 1)
+        self.native = native
+        self.n_steps = 0
+        self.t_steps = 0.0
+
+    def close(self) -> None:
+        if self._batch is not None:
+            llama_cpp.llama_batch_free(self._batch)
+            self._batch = None
+        for slot in self.slots[1:]:
+            slot.ctx.close()
+
+    # -- slots ----------------------------------------------------------------------------------
+    @property
+    def active(self) -> list[_Slot]:
+        return [s for s in self.slots if s.request is not None]
+
+    def free_slot(self) -> _Slot | None:
+        return next((s for s in self.slots if s.request is None), None)
+
+    def add(self, request: Request, progress: bool = False) -> None:
+        """Prefill the request's prompt in a free slot (alone: prompts differ in length) and sample its
+        first token."""
+        slot = self.free_slot()
+        if slot is None:
+            raise RuntimeError("no free slot")
+        if len(request.tokens) >= slot.ctx.n_ctx:
+            raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
+        stats = request.stats
+        stats.n_prompt = len(request.tokens)
+        stats.seed = request.sampler.seed
+        slot.request, slot.utf8 = request, codecs.getincrementaldecoder("utf-8")(errors="replace")
+        slot.stops = _StopFilter(request.stop)
+        slot.ctx.clear()  # a slot's sequence starts empty: the previous request's cells are not a prefix
+        slot.stepper = self.make_stepper(slot.ctx)
+        stats.mode = slot.stepper.mode
+        t0 = time.perf_counter()
+        stats.n_prompt_decoded = slot.stepper.prefill(request.tokens, progress=progress)
+        stats.prefill_s = time.perf_counter() - t0
+        slot.t_decode = 0.0
+        if request.max_tokens == 0:
+            request.stats.finish_reason = "length"
+            request.done = True  # the next step() frees the slot
+            return
+        self._sample(slot)
+
+    # -- the step -------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One token for every active slot; returns the requests that ended."""
+        ended = [self._finish(slot) for slot in self.active if slot.request.done]  # ended when added
+        t0 = time.perf_counter()
+        planned: dict[str, list[_Slot]] = {kind: [] for kind in GROUP_ORDER}
+        for slot in self.active:
+            if len(slot.ctx.tokens) >= slot.ctx.n_ctx:
+                ended.append(self._end(slot, "length"))
+                continue
+            planned[slot.stepper.plan(slot.token)].append(slot)
+        for kind in GROUP_ORDER:
+            group = planned[kind]
+            if not group:
+                continue
+            t_group = time.perf_counter()
+            self._decode(group, kind)
+            seconds = time.perf_counter() - t_group
+            for slot in group:  # while the group's logits are there
+                slot.stepper.finish(kind, seconds)
+                self._sample(slot)
+        for slot in self.active:
+            if slot.request.done:
+                ended.append(self._finish(slot))
+        dt = time.perf_counter() - t0
+        for slot in self.active:
+            slot.t_decode += dt
+        self.n_steps += 1
+        self.t_steps += dt
+        return ended
+
+    def _decode(self, group: list[_Slot], kind: str) -> None:
+        native = self.native()
+        if native is not None and native._initialized:
+            native.set_mode(GROUP_MODE[kind])
+            if kind == "slow":
+                native.set_n_candidates(max(s.stepper.native.n_candidates for s in group))
+        batch = self._batch
+        batch.n_tokens = len(group)
+        for i, slot in enumerate(group):
+            batch.token[i] = slot.token
+            batch.pos[i] = len(slot.ctx.tokens)
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = slot.ctx.seq
+            batch.logits[i] = 1
+        rc = llama_cpp.llama_decode(self.base.ctx, batch)
+        if rc != 0:
+            raise ContextError(f"llama_decode failed with code {rc} ({len(group)} sequences, {kind} step)")
+        for i, slot in enumerate(group):
+            slot.ctx.tokens.append(slot.token)
+            slot.ctx.logits_index = i
+
+    def _sample(self, slot: _Slot) -> None:
+        """Sample the slot's next token and emit its text; mark the request done when it ends."""
+        request = slot.request
+        token = request.sampler.sample(slot.ctx)
+        request.out_tokens.append(token)
+        request.stats.n_generated += 1
+        slot.token = token
+        if not request.ignore_eos and slot.ctx.is_eog(token):
+            request.stats.ended_on_eog = True
+            request.stats.finish_reason = "stop"
+            request.done = True
+            return
+        piece, stopped = slot.stops.push(slot.utf8.decode(slot.ctx.token_bytes(token)))
+        self._emit(request, piece)
+        if stopped:
+            request.stats.finish_reason = "stop"
+            request.done = True
+        elif request.stats.n_generated >= request.max_tokens:
+            request.stats.finish_reason = "length"
+            request.done = True
+
+    def _emit(self, request: Request, piece: str) -> None:
+        if piece:
+            request.text.append(piece)
+            if request.on_piece is not None:
+                request.on_piece(piece)
+
+    def _end(self, slot: _Slot, reason: str) -> Request:
+        slot.request.stats.finish_reason = reason
+        slot.request.done = True
+        return self._finish(slot)
+
+    def _finish(self, slot: _Slot) -> Request:
+        request = slot.request
+        if request.stats.finish_reason == "length":
+            tail, _ = slot.stops.push(slot.utf8.decode(b"", final=True))
+            self._emit(request, tail + slot.stops.flush())
+        request.stats.decode_s = slot.t_decode
+        request.stats.n_ctx_end = len(slot.ctx.tokens)
+        slot.stepper.annotate(request.stats)
+        request.sampler.close()
+        slot.request = slot.stepper = None
+        return request
+
+    def run(self, requests: Sequence[Request], progress: bool = False) -> list[Request]:
+        """Every request to its end, n_parallel at a time, a freed slot taking the next request."""
+        queue = list(requests)
+        while queue or self.active:
+            while queue and self.free_slot() is not None:
+                self.add(queue.pop(0), progress=progress)
+            if self.active:
+                self.step()
+        return list(requests)
+

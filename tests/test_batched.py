@@ -1,0 +1,92 @@
+"""`SFILlama.generate_batch`: several sequences decoding together, each with its own SFI state.
+
+A random-weight model, greedy: a batched generation must give each prompt the tokens (and, with SFI,
+the same slow steps) that a single-sequence generation gives it.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sfi_gguf import SFILlama
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.random_model import random_model
+
+LENGTHS = (300, 420, 250, 380)  # 4 prompts, 3 slots: the last waits for a free one
+# the 250-token prompt decodes densely until its context reaches 280 (then a slow step), so its steps
+# are dense while the others are fast or slow, and its slow steps fall between theirs
+SMALL = SFIConfig(k_head=32, n_recent=32, n_sink=4, min_context=280, policy="fixed", fixed_period=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = SFILlama(str(random_model("tiny-llama")), n_ctx=1024, n_parallel=3, n_threads=1)
+    yield model
+    model.close()
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [[int(t) for t in rng.integers(3, 200, n)] for n in LENGTHS]
+
+
+def _batch(llm, prompts, sfi, n=40, **kw):
+    return llm.generate_batch(prompts, max_tokens=n, temperature=0, sfi=sfi, ignore_eos=True, **kw)
+
+
+def test_budget_covering_everything_equals_dense(llm, prompts):
+    whole = _batch(llm, prompts, SFIConfig(k_head=1024, min_context=0))
+    dense = _batch(llm, prompts, False)
+    single = [llm.generate(p, max_tokens=40, temperature=0, sfi=False, ignore_eos=True) for p in prompts]
+    for w, d, s in zip(whole, dense, single):
+        assert w.tokens == d.tokens == s.tokens
+        assert w.stats.sfi.n_fast >= 30  # it did decode sparsely
+        assert d.stats.mode == "dense" and w.stats.mode == "sfi"
+
+
+def test_each_sequence_decodes_as_it_would_alone(llm, prompts):
+    """A small budget (sink 4 + 32 + recent 32 of 250-480 cells) refreshed every 8 steps; steps mix
+    dense, slow and fast sequences (see SMALL)."""
+    batch = _batch(llm, prompts, SMALL, n=60)
+    assert batch[2].stats.sfi.slow_steps[0] == 30 and batch[0].stats.sfi.slow_steps[:4] == [8, 16, 24, 32]
+    for prompt, b in zip(prompts, batch):
+        alone = llm.generate(prompt, max_tokens=60, temperature=0, sfi=SMALL, ignore_eos=True)
+        assert b.tokens == alone.tokens
+        assert b.stats.sfi.slow_steps == alone.stats.sfi.slow_steps and b.stats.sfi.n_slow >= 3
+        assert b.stats.sfi.n_fast == alone.stats.sfi.n_fast
+        assert b.stats.sfi.refresh_overlap == pytest.approx(alone.stats.sfi.refresh_overlap)
+
+
+def test_stop_strings_lengths_and_seeds(llm, prompts):
+    out = _batch(llm, prompts, SMALL, n=0)
+    assert [o.tokens for o in out] == [[]] * 4 and {o.finish_reason for o in out} == {"length"}
+    out = _batch(llm, prompts[:2], SMALL, n=5)
+    assert [len(o.tokens) for o in out] == [5, 5]
+    text = out[0].text
+    cut = llm.generate_batch(prompts[:1], max_tokens=5, temperature=0, sfi=SMALL, ignore_eos=True,
+                             stop=[text[2:4]])[0]
+    assert cut.finish_reason == "stop" and cut.text == text[:2]
+    a = llm.generate_batch(prompts[:2], max_tokens=8, temperature=1.0, seed=7, sfi=SMALL, ignore_eos=True)
+    b = llm.generate_batch(prompts[:2], max_tokens=8, temperature=1.0, seed=7, sfi=SMALL, ignore_eos=True)
+    assert [x.tokens for x in a] == [x.tokens for x in b]
+
+
+def test_bad_input(llm, prompts):
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.generate_batch([])
+    with pytest.raises(ValueError, match="non-empty list"):
+        llm.generate_batch("one string")
+    with pytest.raises(ValueError, match="prompt 1 has"):
+        llm.generate_batch([prompts[0], [5] * 2000])
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate_batch(prompts, max_tokens=-1)
+    with pytest.raises(ValueError, match="n_parallel"):
+        SFILlama(str(random_model("tiny-llama")), n_parallel=0)
+
+
+def test_single_generate_still_works_after_a_batch(llm, prompts):
+    _batch(llm, prompts, SMALL, n=8)
+    first = llm.generate(prompts[0], max_tokens=16, temperature=0, sfi=SMALL, ignore_eos=True)
+    again = llm.generate(prompts[0], max_tokens=16, temperature=0, sfi=SMALL, ignore_eos=True)
+    assert first.tokens == again.tokens
