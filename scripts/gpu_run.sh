@@ -3,6 +3,7 @@
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
 #   diag, profile (export ops and candidate slow steps), bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
+#   batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
@@ -88,6 +89,21 @@ if [[ " $stages " == *" bench "* ]]; then
     python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
         --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} --json "$OUT/bench-h200-qwen3-4b-f16.json" --markdown "$OUT/bench-h200-qwen3-4b-f16.md" \
         2>&1 | grep -v "^load:" | tail -20
+fi
+if [[ " $stages " == *" batched-tests "* ]]; then
+    log "batched SFI tests on the GPU (one KV stream per sequence)"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_batched_native.py \
+        2>&1 | tee "$OUT/gpu-batched-tests.log" | tail -5
+fi
+if [[ " $stages " == *" batched-bench "* ]]; then
+    # SFI_BATCHES: "sequences:depth ..." (default: the 16 x 32K and 8 x 16K; 4 x 128K as its own call)
+    for bd in ${SFI_BATCHES:-8:16384 16:32768}; do
+        b=${bd%%:*}; d=${bd##*:}
+        log "sfi-gguf bench: $b sequences x $d (Qwen3-4B shape, F16)"
+        python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+            --batch "$b" --depths "$d" -n ${SFI_BENCH_N:-256} --min-context ${SFI_MIN_CONTEXT:-8192} \
+            ${SFI_BENCH_ARGS:-} --json "$OUT/bench-h200-qwen3-4b-f16-batch$b-$d.json" 2>&1 | grep -v "^load:" | tail -4
+    done
 fi
 if [[ " $stages " == *" multigpu-tests "* ]]; then
     log "multi-GPU tests: layer split over 2 GPUs ($(nvidia-smi -L | wc -l) GPUs on this host)"

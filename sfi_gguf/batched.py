@@ -138,6 +138,8 @@ class BatchedDecoder:
         self.native = native
         self.n_steps = 0
         self.t_steps = 0.0
+        self.t_decode = {kind: 0.0 for kind in GROUP_ORDER}  # llama_decode time per kind of group
+        self.n_decode = {kind: 0 for kind in GROUP_ORDER}    # sequence-steps per kind
 
     def close(self) -> None:
         if self._batch is not None:
@@ -155,8 +157,8 @@ class BatchedDecoder:
         return next((s for s in self.slots if s.request is None), None)
 
     def add(self, request: Request, progress: bool = False) -> None:
-        """Prefill the request's prompt in a free slot (alone: prompts differ in length) and sample its
-        first token."""
+        """Prefill the request's prompt in a free slot (alone: prompts differ in length; the longest
+        prefix the slot's sequence already holds is reused) and sample its first token."""
         slot = self.free_slot()
         if slot is None:
             raise RuntimeError("no free slot")
@@ -167,7 +169,6 @@ class BatchedDecoder:
         stats.seed = request.sampler.seed
         slot.request, slot.utf8 = request, codecs.getincrementaldecoder("utf-8")(errors="replace")
         slot.stops = _StopFilter(request.stop)
-        slot.ctx.clear()  # a slot's sequence starts empty: the previous request's cells are not a prefix
         slot.stepper = self.make_stepper(slot.ctx)
         stats.mode = slot.stepper.mode
         t0 = time.perf_counter()
@@ -198,6 +199,8 @@ class BatchedDecoder:
             t_group = time.perf_counter()
             self._decode(group, kind)
             seconds = time.perf_counter() - t_group
+            self.t_decode[kind] += seconds
+            self.n_decode[kind] += len(group)
             for slot in group:  # while the group's logits are there
                 slot.stepper.finish(kind, seconds)
                 self._sample(slot)

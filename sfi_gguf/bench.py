@@ -173,6 +173,105 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         llm.close()
 
 
+class ForcedTokens:
+    """A sampler for the batched loop that feeds a fixed continuation (teacher forcing); it still takes
+    the greedy argmax a real decode takes, which waits for the step."""
+
+    seed = 0
+    n_logprobs = None
+    logprobs = None
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = list(tokens)
+        self.i = 0
+
+    def sample(self, ctx) -> int:
+        int(np.argmax(ctx.last_logits()))
+        token = self.tokens[min(self.i, len(self.tokens) - 1)]
+        self.i += 1
+        return int(token)
+
+    def close(self) -> None:
+        pass
+
+
+def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", weight_type: str = "",
+                      depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
+                      n_threads: int | None = None, flash_attn: bool | None = None,
+                      config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
+                      log: Callable[[str], None] = print) -> list[BenchRow]:
+    """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
+    own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps)."""
+    from .batched import BatchedDecoder, Request
+    from .context import default_threads
+    from .devices import gpu_count
+    from .llama import SFILlama
+
+    config = config or SFIConfig(k_head=2048)
+    depths = sorted(int(d) for d in depths)
+    if flash_attn is None:
+        flash_attn = n_gpu_layers != 0
+    llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
+                   n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
+                   n_parallel=batch)
+    n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
+    decoder = BatchedDecoder(llm.context, None, lambda: llm._sfi_native)
+    try:
+        texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
+
+        def run(depth: int, cfg: SFIConfig) -> tuple[float, list]:
+            """One teacher-forced decode of n_decode tokens per sequence; (seconds of the steps, requests)."""
+            decoder.make_stepper = lambda ctx: llm._stepper(cfg, ctx)
+            requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode]),
+                                max_tokens=n_decode + 1, ignore_eos=True) for t in texts]
+            for r in requests:
+                decoder.add(r)
+            decoder.n_steps, decoder.t_steps = 0, 0.0
+            decoder.t_decode = dict.fromkeys(decoder.t_decode, 0.0)
+            decoder.n_decode = dict.fromkeys(decoder.n_decode, 0)
+            while decoder.active:
+                decoder.step()
+            return decoder.t_steps, requests
+
+        dense = SFIConfig(policy="dense")
+        budget_depth = config.n_sink + config.resolve_k_head(depths[-1]) + config.n_recent
+        seconds, _ = run(budget_depth, dense)
+        ceiling = batch * n_decode / seconds
+        log(f"ceiling: dense at depth {budget_depth} (the SFI memory), batch {batch}: {ceiling:.1f} tok/s")
+        rows = []
+        commit, device = git_commit(12), hardware(n_gpu_layers, n_gpus)
+        for depth in depths:
+            t0 = time.perf_counter()
+            dense_s, _ = run(depth, dense)
+            log(f"depth {depth}: {batch} contexts ready and dense decoded in {time.perf_counter() - t0:.0f} s")
+            sfi_s, requests = run(depth, config)
+            stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
+            selector = sum(s.t_selector for s in stats)
+            decoded = sum(decoder.t_decode.values())
+            effective = llm.effective_config(config)
+            row = BenchRow(
+                hardware=device, model=Path(str(llm.model_path)).name, model_shape=model_shape,
+                weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
+                budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
+                dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
+                ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
+                dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
+                t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
+                t_python_s=max(0.0, sfi_s - decoded - selector), flash_attn=llm.context.flash_attn,
+                n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
+                git_commit=commit, batch=batch, split_mode=split_mode, n_gpus=n_gpus,
+                selection_delay=effective.selection_delay,
+                t_selector_background_s=sum(s.t_selector_background for s in stats),
+                min_context=effective.min_context or 0,
+                slow_reasons={k: sum(s.reasons.get(k, 0) for s in stats) for s in stats for k in s.reasons})
+            rows.append(row)
+            log(format_row(row))
+        return rows
+    finally:
+        decoder.close()
+        llm.close()
+
+
 HEADER = ("| depth | dense tok/s | SFI tok/s | SFI/dense | ceiling tok/s | slow / fast steps | "
           "time fast / slow / selector / Python (s) |")
 
@@ -187,7 +286,8 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     if not rows:
         return ""
     r0 = rows[0]
-    head = (f"{r0.hardware}, {r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
+    batch = f"{r0.batch} sequences (aggregate tok/s), " if r0.batch > 1 else ""
+    head = (f"{r0.hardware}, {batch}{r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
             f"commit {r0.git_commit}")
     sep = "|---" * (HEADER.count("|") - 1) + "|"
@@ -242,6 +342,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
                         "model is never sure, so with it this fires every min_gap steps: its worst case")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoding together (batched SFI), each with its own text at the depth; "
+                        "tok/s are then aggregate")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -261,10 +364,13 @@ def _cmd_bench(args) -> int:
                        selection_delay=args.selection_delay,
                        min_context=args.min_context, refresh_interval=args.refresh_interval,
                        confidence_floor=args.confidence_floor)
-    rows = run_bench(model, model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
-                     n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                     flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
-                     split_mode=args.split_mode)
+    if args.batch < 1:
+        raise SystemExit("--batch must be >= 1")
+    kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
+                  n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                  flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
+                  split_mode=args.split_mode)
+    rows = run_bench_batched(model, batch=args.batch, **kwargs) if args.batch > 1 else run_bench(model, **kwargs)
     print()
     print(markdown_table(rows))
     if args.markdown:
@@ -274,7 +380,8 @@ def _cmd_bench(args) -> int:
         results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
         if results.is_dir():
             kind = "gpu" if args.n_gpu_layers else "cpu"
-            out = results / f"bench-{kind}-{shape or Path(str(model)).stem}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+            batch = f"-batch{args.batch}" if args.batch > 1 else ""
+            out = results / f"bench-{kind}-{shape or Path(str(model)).stem}{batch}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if out:
         print(f"wrote {write_json(rows, Path(out))}")
     return 0

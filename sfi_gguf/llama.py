@@ -166,6 +166,15 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
+    def effective_config(self, config: SFIConfig) -> SFIConfig:
+        """`config` with the defaults that depend on where the model runs filled in."""
+        if self.n_gpu_layers and config.min_context is None:
+            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
+            # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
+            # H200 (BENCHMARKS.md, "Speed on the GPU")
+            return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
+        return config
+
     def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
 
@@ -181,11 +190,7 @@ class SFILlama:
             return DenseStepper(ctx)
         _check_fits(config, self.n_ctx)
         _check_split(config, self.split_mode)
-        if self.n_gpu_layers and config.min_context is None:
-            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
-            # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU")
-            config = dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
+        config = self.effective_config(config)
         from .boundary import PieceTable
         from .policy import make_policy
         from .selector import make_selector

@@ -205,6 +205,35 @@ def test_mixed_slow_and_fast_sequences(tiny):
         b.close()
 
 
+def test_many_sequences_refresh_and_export_together(tiny):
+    """Every sequence gathers its selection in the same FAST ubatch, then every one is slow: the graph
+    holds a gather or an export per layer and stream (it once ran out of graph nodes: 4 streams x 36
+    layers on the H200; 48 streams x 2 layers here)."""
+    n_seq = 48
+    b = MultiCtx(tiny, n_seq=n_seq)
+    try:
+        for s in range(n_seq):
+            b.prefill(s, tokens_for(tiny, 40 + s, seed=s))
+        sfi = SFINative(b.ctx, n_sel_max=128, n_tail_max=16)
+        for s in range(n_seq):
+            select_all(sfi, s)
+        sfi.set_mode(SFINative.FAST)
+        b.step({s: 5 for s in range(n_seq)})
+        assert sfi.last_fast
+        sfi.set_mode(SFINative.SLOW)
+        b.step({s: 6 for s in range(n_seq)})
+        group = llama_cpp.llama_model_n_head(tiny.ptr) // sfi.n_head_kv
+        for s in range(n_seq):
+            mass = sfi.mass(s)
+            n = 40 + s + 2  # the sequence's cells: its prompt and the two decoded tokens
+            assert mass is not None
+            # softmax rows of the group's query heads sum to 1 each, over the sequence's own cells only
+            assert np.allclose(mass[:, :, :n].sum(axis=2), group, rtol=1e-3), s
+            assert not np.any(mass[:, :, n:]), s
+    finally:
+        b.close()
+
+
 def test_cache_edit_invalidates_only_that_sequence(tiny):
     b = MultiCtx(tiny)
     try:
