@@ -90,14 +90,21 @@ if HAS_SFI:
     _set_selection = _bind("llama_sfi_set_selection",
                            [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
                            ctypes.c_int32)
-    _get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
-    _get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
-    _get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _get_mass = _bind("llama_sfi_get_mass", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_evidence = _bind("llama_sfi_get_evidence", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
+    _get_key_norms = _bind("llama_sfi_get_key_norms", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
     _set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
-    _get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
-    _get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+    _get_candidates = _bind("llama_sfi_get_candidates", [_ctx_p, _i32p, _i32p], _i32p)
+    _get_n_query_rows = _bind("llama_sfi_get_n_query_rows", [_ctx_p], ctypes.c_int32)
     _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
-    _status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
+    _status = _bind("llama_sfi_status", [_ctx_p], ctypes.c_uint32)
+    # the same for any sequence (batched decoding; the calls above read sequence 0)
+    _seq_get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _seq_get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _seq_get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+    _seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
+    _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+    _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
 
 
 def _check(func: str, rc: int) -> int:
@@ -161,7 +168,7 @@ class SFINative:
         return LayerInfo(i, il.value, hkv.value)
 
     def status(self, seq: int = 0) -> int:
-        return int(_status(self.ctx, seq))
+        return int(_seq_status(self.ctx, seq))
 
     @property
     def view_valid(self) -> bool:
@@ -211,19 +218,19 @@ class SFINative:
 
     def mass(self, seq: int = 0) -> np.ndarray | None:
         """[n_layers, n_head_kv, n_cells] of seq's last SLOW decode (None if there is none)."""
-        return self._export(_get_mass, "llama_sfi_seq_get_mass", seq)
+        return self._export(_seq_get_mass, "llama_sfi_seq_get_mass", seq)
 
     def evidence(self, seq: int = 0) -> np.ndarray | None:
-        return self._export(_get_evidence, "llama_sfi_seq_get_evidence", seq)
+        return self._export(_seq_get_evidence, "llama_sfi_seq_get_evidence", seq)
 
     def key_norms(self, seq: int = 0) -> np.ndarray | None:
-        return self._export(_get_key_norms, "llama_sfi_seq_get_key_norms", seq)
+        return self._export(_seq_get_key_norms, "llama_sfi_seq_get_key_norms", seq)
 
     def candidates(self, seq: int = 0) -> np.ndarray | None:
         """int32 [n_layers, n_cells]: the cells the last export's columns refer to (None: every cell,
         column i is cell i)."""
         nl, nc = ctypes.c_int32(), ctypes.c_int32()
-        ptr = _get_candidates(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nc))
+        ptr = _seq_get_candidates(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nc))
         if not ptr:
             return None
         out = np.empty((nl.value, nc.value), dtype=np.int32)
@@ -231,7 +238,7 @@ class SFINative:
         return out
 
     def n_query_rows(self, seq: int = 0) -> int:
-        return _check("llama_sfi_seq_get_n_query_rows", _get_n_query_rows(self.ctx, seq))
+        return _check("llama_sfi_seq_get_n_query_rows", _seq_get_n_query_rows(self.ctx, seq))
 
     def cell_pos(self, seq: int = 0) -> np.ndarray:
         """Position of every cell in seq (-1: empty or another sequence), int32 [kv_size]."""

@@ -135,11 +135,13 @@ def test_sequences_see_only_their_own_cells(tiny):
             c.close()
 
 
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("n_candidates", [0, 64])
-def test_batched_slow_step_exports_per_sequence(tiny, n_candidates):
-    """A SLOW batch of every sequence exports, per sequence, what a single-sequence slow step exports."""
-    b = MultiCtx(tiny)
-    singles = [Ctx(tiny, n_ctx=N_CTX_SEQ) for _ in range(N_SEQ)]
+def test_batched_slow_step_exports_per_sequence(tiny, n_candidates, flash_attn):
+    """A SLOW batch of every sequence exports, per sequence, what a single-sequence slow step exports
+    (the export is one set of ops over the ubatch's streams)."""
+    b = MultiCtx(tiny, flash_attn=flash_attn)
+    singles = [Ctx(tiny, n_ctx=N_CTX_SEQ, flash_attn=flash_attn) for _ in range(N_SEQ)]
     try:
         prefill_all(b, tiny)
         sfi_b = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
