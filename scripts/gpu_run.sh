@@ -102,7 +102,7 @@ if [[ " $stages " == *" batched-bench "* ]]; then
         log "sfi-gguf bench: $b sequences x $d (Qwen3-4B shape, F16)"
         python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
             --batch "$b" --depths "$d" -n ${SFI_BENCH_N:-256} --min-context ${SFI_MIN_CONTEXT:-8192} \
-            ${SFI_BENCH_ARGS:-} --json "$OUT/bench-h200-qwen3-4b-f16-batch$b-$d.json" 2>&1 | grep -v "^load:" | tail -4
+            ${SFI_BENCH_ARGS:-} --json "$OUT/bench-h200-qwen3-4b-f16-batch$b-$d${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -4
     done
 fi
 if [[ " $stages " == *" multigpu-tests "* ]]; then
