@@ -11,6 +11,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.gpu-out}; mkdir -p "$OUT"
 export SFI_GGUF_CACHE=$PWD/.gpu-cache      # kept between calls while the machine stays warm
 export PYTHONUNBUFFERED=1
+# the commit the results belong to (make_gpu_bundle.sh / the caller writes it: the copied tree has no usable git)
+[[ -f .gpu/COMMIT ]] && export SFI_GIT_COMMIT=$(cat .gpu/COMMIT)
 stages=${*:-build tests overhead native bench}
 [[ " $stages " == *" multigpu "* ]] && stages="$stages multigpu-tests multigpu-bench"
 log() { echo "== $(date +%T) $*"; }

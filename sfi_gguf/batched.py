@@ -170,8 +170,6 @@ class BatchedDecoder:
         slot.request, slot.utf8 = request, codecs.getincrementaldecoder("utf-8")(errors="replace")
         slot.stops = _StopFilter(request.stop)
         slot.stepper = self.make_stepper(slot.ctx)
-        if hasattr(slot.stepper, "overlap_selector"):
-            slot.stepper.overlap_selector = True  # the slow sequences' Selectors run in parallel
         stats.mode = slot.stepper.mode
         t0 = time.perf_counter()
         stats.n_prompt_decoded = slot.stepper.prefill(request.tokens, progress=progress)

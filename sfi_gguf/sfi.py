@@ -72,15 +72,10 @@ class SFIStepper:
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
-        self._pending: Future | None = None  # a background Selector run (selection_delay > 0, overlap_selector)
-        self._pending_delayed = False
+        self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
         self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
-        # the Selector of a slow step runs in a worker thread and its selection is loaded before the next
-        # step (same decisions and memory as on the decoding thread): a batched loop sets it, so that the
-        # Selectors of its slow sequences run in parallel with each other and with the rest of the step
-        self.overlap_selector = False
         self._reason: str | None = None   # why the planned slow step fires
 
     # -- budgets ----------------------------------------------------------------------------------
@@ -176,8 +171,7 @@ class SFIStepper:
             self.stats.slow_steps.append(self._n_step)
             if self._reason:
                 self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
-            delayed = bool(self.config.selection_delay) and self._selected is not None
-            self._refresh_from_export(background=delayed or self.overlap_selector, delay=delayed)
+            self._refresh_from_export(background=bool(self.config.selection_delay) and self._selected is not None)
         else:
             self.stats.t_fast += seconds
             self._tail += 1
@@ -216,7 +210,7 @@ class SFIStepper:
     def _positions(self) -> np.ndarray:
         return self.native.cell_pos()
 
-    def _refresh_from_export(self, background: bool = False, delay: bool = True) -> None:
+    def _refresh_from_export(self, background: bool = False) -> None:
         """Selector on the last slow step's export -> new selection; following steps are fast.
 
         background: the Selector runs in a worker thread on copies of the export; until its result is
@@ -240,14 +234,12 @@ class SFIStepper:
         candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
         self.policy.note_refresh()
         if background:
-            if delay:  # until the new selection comes: the old one, with the recent window moved to now
-                self._load_memory(self._selected)
+            self._load_memory(self._selected)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
             self._pending = self._executor.submit(self._timed_select, export, candidates, k_head, self._selected)
-            self._pending_delayed = delay
-            self._load_at = self._n_step + 1 + (self.config.selection_delay if delay else 0)
-            self.stats.n_async += delay
+            self._load_at = self._n_step + 1 + self.config.selection_delay
+            self.stats.n_async += 1
             self.stats.t_selector += time.perf_counter() - t0
             return
         self._use_selection(self.selector.select(export, candidates, k_head), positions)
@@ -283,9 +275,7 @@ class SFIStepper:
         pending, self._pending = self._pending, None
         selected, overlap, t_background = pending.result()
         self.stats.t_selector_background += t_background
-        if not self._pending_delayed:  # the slow step's own selection, as if computed on this thread
-            self._use_selection(selected, overlap=overlap)
-        elif self._sparse:
+        if self._sparse:
             self._use_selection(selected, overlap=overlap)
             # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
             # the new selection, not the stale one the fast steps used meanwhile
