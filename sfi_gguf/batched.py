@@ -99,6 +99,7 @@ class Request:
     max_tokens: int
     stop: Sequence[str] = ()
     ignore_eos: bool = False
+    config: object = None                            # the SFIConfig of this request (None: the model's)
     on_piece: Callable[[str], None] | None = None   # called with each text piece as it is decoded
     stats: GenerationStats = field(default_factory=GenerationStats)
     out_tokens: list[int] = field(default_factory=list)
@@ -124,7 +125,8 @@ class _Slot:
 class BatchedDecoder:
     """Slots of one multi-sequence context; requests join (`add`) and leave (when done) between steps.
 
-    make_stepper(ctx) returns the stepper of a slot (dense or SFI) for its sequence; native() the context's
+    make_stepper(ctx, config) returns the stepper of a slot (dense or SFI) for its sequence and the request's
+    config (None: the model's); native() the context's
     `SFINative` once SFI is initialised (None before), whose mode the loop sets per group.
     """
 
@@ -169,7 +171,7 @@ class BatchedDecoder:
         stats.seed = request.sampler.seed
         slot.request, slot.utf8 = request, codecs.getincrementaldecoder("utf-8")(errors="replace")
         slot.stops = _StopFilter(request.stop)
-        slot.stepper = self.make_stepper(slot.ctx)
+        slot.stepper = self.make_stepper(slot.ctx, request.config)
         stats.mode = slot.stepper.mode
         t0 = time.perf_counter()
         stats.n_prompt_decoded = slot.stepper.prefill(request.tokens, progress=progress)
@@ -180,6 +182,19 @@ class BatchedDecoder:
             request.done = True  # the next step() frees the slot
             return
         self._sample(slot)
+
+    def drop(self, request: Request) -> None:
+        """Free the slot of a request that failed (e.g. its prefill): its sequence is made consistent again."""
+        for slot in self.slots:
+            if slot.request is request:
+                slot.request = slot.stepper = None
+                slot.ctx.sync()
+
+    def reset(self) -> None:
+        """Abandon every request (after a failed step); the slots are free and consistent again."""
+        for slot in self.slots:
+            if slot.request is not None:
+                self.drop(slot.request)
 
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -192,10 +207,7 @@ class BatchedDecoder:
                 ended.append(self._end(slot, "length"))
                 continue
             planned[slot.stepper.plan(slot.token)].append(slot)
-        for kind in GROUP_ORDER:
-            group = planned[kind]
-            if not group:
-                continue
+        for kind, group in self._groups(planned):
             t_group = time.perf_counter()
             self._decode(group, kind)
             seconds = time.perf_counter() - t_group
@@ -214,12 +226,28 @@ class BatchedDecoder:
         self.t_steps += dt
         return ended
 
+    @staticmethod
+    def _groups(planned: dict[str, list[_Slot]]):
+        """(kind, slots) per llama_decode, in GROUP_ORDER. Slow sequences that want different device
+        candidate counts (short and long contexts) decode apart: the count is one per decode, and a
+        sequence must export what it would export alone."""
+        for kind in GROUP_ORDER:
+            if kind != "slow":
+                if planned[kind]:
+                    yield kind, planned[kind]
+                continue
+            by_count: dict[int, list[_Slot]] = {}
+            for slot in planned[kind]:
+                by_count.setdefault(slot.stepper.native.n_candidates, []).append(slot)
+            for group in by_count.values():
+                yield kind, group
+
     def _decode(self, group: list[_Slot], kind: str) -> None:
         native = self.native()
         if native is not None and native._initialized:
             native.set_mode(GROUP_MODE[kind])
             if kind == "slow":
-                native.set_n_candidates(max(s.stepper.native.n_candidates for s in group))
+                native.set_n_candidates(group[0].stepper.native.n_candidates)
         batch = self._batch
         batch.n_tokens = len(group)
         for i, slot in enumerate(group):

@@ -215,15 +215,14 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                    n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
                    n_parallel=batch)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
-    decoder = BatchedDecoder(llm.context, None, lambda: llm._sfi_native)
+    decoder = BatchedDecoder(llm.context, lambda ctx, cfg: llm._stepper(cfg, ctx), lambda: llm._sfi_native)
     try:
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
 
         def run(depth: int, cfg: SFIConfig) -> tuple[float, list]:
             """One teacher-forced decode of n_decode tokens per sequence; (seconds of the steps, requests)."""
-            decoder.make_stepper = lambda ctx: llm._stepper(cfg, ctx)
             requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode]),
-                                max_tokens=n_decode + 1, ignore_eos=True) for t in texts]
+                                max_tokens=n_decode + 1, ignore_eos=True, config=cfg) for t in texts]
             for r in requests:
                 decoder.add(r)
             decoder.n_steps, decoder.t_steps = 0, 0.0

@@ -98,12 +98,19 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _llm_from_args(args: argparse.Namespace, progress: bool = False):
     from .llama import SFILlama
 
     return SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                     flash_attn=_flash_attn(args), verbose=args.verbose, progress=progress,
-                    sfi=_sfi_from_args(args))
+                    sfi=_sfi_from_args(args), n_parallel=getattr(args, "parallel", 1))
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -189,7 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=textwrap.fill(
             "Serve the model over HTTP with the OpenAI API, so any OpenAI client (the openai Python package, "
             "curl, editors) can use it. Streaming uses server-sent events. Requests take turns (one model, one "
-            "KV cache); a conversation that grows turn by turn reuses its cache. Every response has an extra "
+            "KV cache; a conversation that grows turn by turn reuses its cache), or with --parallel N up to N "
+            "requests decode together, each in its own slot. Every response has an extra "
             "\"sfi_stats\" field with the request's statistics; a request may set SFI options in an \"sfi\" "
             "field (SFIConfig fields, or false for dense).", 79),
         epilog="example:\n  sfi-gguf serve --port 8000 &\n"
@@ -200,6 +208,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to "
                             "the network)")
     serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
+                       help="slots: up to N requests decode together in one batch, each with its own SFI state "
+                            "and n_ctx cells (default 1: requests take turns)")
     serve.add_argument("--alias", default=None,
                        help="model name shown in /v1/models and responses (default: the GGUF file name)")
     _add_model_args(serve)

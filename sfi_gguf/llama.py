@@ -278,32 +278,55 @@ class SFILlama:
         with its own SFI state (sampling seed: `seed + i` for prompt i when a seed is given); more
         prompts wait for a free sequence. Every prompt is prefilled anew (no prefix reuse).
         """
-        from .batched import BatchedDecoder, Request
+        if isinstance(prompts, str) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompts")
+        if isinstance(prompts, str) or not len(prompts):
+            raise ValueError("prompts must be a non-empty list of prompts")
+        requests = []
+        for i, prompt in enumerate(prompts):
+            try:
+                requests.append(self.batch_request(
+                    prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                    seed=None if seed is None else seed + i, stop=stop, min_p=min_p, repeat_penalty=repeat_penalty,
+                    ignore_eos=ignore_eos, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                    sfi=sfi))
+            except ValueError as exc:
+                raise ValueError(f"prompt {i}: {exc}") from None
+        self._generation += 1  # the shared cache is rebuilt: an earlier stream must not decode any more
+        self.batched_decoder().run(requests, progress=self.progress)
+        self.last_stats = requests[-1].stats
+        return [r.completion() for r in requests]
+
+    def batch_request(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
+                      top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
+                      min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
+                      frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
+                      sfi: SFIConfig | str | bool | None = None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call."""
+        from .batched import Request
 
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
             raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
-        if isinstance(prompts, str) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of prompts")
-        config = self.sfi_config if sfi is None else _sfi_config(sfi)
-        stop_list = [stop] if isinstance(stop, str) else list(stop or [])
-        requests = []
-        for i, prompt in enumerate(prompts):
-            tokens = self.prompt_tokens(prompt)
-            if len(tokens) >= self.n_ctx:
-                raise ValueError(f"prompt {i} has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
-            params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                    repeat_penalty=repeat_penalty, seed=None if seed is None else seed + i,
-                                    frequency_penalty=frequency_penalty, presence_penalty=presence_penalty)
-            params.validate()
-            requests.append(Request(tokens=tokens, sampler=Sampler(params), max_tokens=max_tokens,
-                                    stop=stop_list, ignore_eos=ignore_eos))
-        self._generation += 1  # the shared cache is rebuilt: an earlier stream must not decode any more
+        config = None if sfi is None else _sfi_config(sfi)
+        tokens = self.prompt_tokens(prompt)
+        if len(tokens) >= self.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
+        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                                repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
+                                presence_penalty=presence_penalty)
+        params.validate()
+        return Request(tokens=tokens, sampler=Sampler(params, logprobs=logprobs), max_tokens=max_tokens,
+                       stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
+                       config=config)
+
+    def batched_decoder(self):
+        """The `BatchedDecoder` over this model's n_parallel sequences (created on first use)."""
+        from .batched import BatchedDecoder
+
         if self._batched is None:
-            self._batched = BatchedDecoder(self._ctx, None, lambda: self._sfi_native)
-        self._batched.make_stepper = lambda ctx: self._stepper(config, ctx)
-        self._batched.run(requests, progress=self.progress)
-        self.last_stats = requests[-1].stats
-        return [r.completion() for r in requests]
+            self._batched = BatchedDecoder(self._ctx, lambda ctx, config: self._stepper(config, ctx),
+                                           lambda: self._sfi_native)
+        return self._batched
 
     # -- llama-cpp-python's API (sfi_gguf/openai_api.py) -------------------------------------------
     def create_completion(self, prompt: Union[str, Sequence[int]], *args, **kwargs):

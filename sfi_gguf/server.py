@@ -1,8 +1,9 @@
 """`sfi-gguf serve`: an OpenAI-compatible HTTP server for one `SFILlama`.
 
-Standard library only (`http.server`): the model holds one sequence in one context, so requests run
-one at a time under a lock anyway, and an async framework would add dependencies without adding
-throughput. llama-cpp-python's own server is built around `llama_cpp.Llama` objects it creates
+Standard library only (`http.server`): a model with one sequence runs requests one at a time under a
+lock; a model created with n_parallel sequences (`serve --parallel N`) decodes up to N requests
+together in one batch (`sfi_gguf.slots`), each with its own SFI state. An async framework would add
+dependencies without adding throughput. llama-cpp-python's own server is built around `llama_cpp.Llama` objects it creates
 itself, so it cannot serve an `SFILlama`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as server-sent
@@ -10,6 +11,7 @@ events when "stream" is true). Every response carries the request's SFI statisti
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import sys
@@ -35,7 +37,7 @@ class RequestError(ValueError):
 
 
 class SFIServer(ThreadingHTTPServer):
-    """Serves one model; `lock` makes requests take turns (one KV cache, one sequence)."""
+    """Serves one model: requests take turns (`lock`), or share its parallel slots (`slots`)."""
 
     daemon_threads = True
 
@@ -43,8 +45,18 @@ class SFIServer(ThreadingHTTPServer):
         self.llm = llm
         self.model_name = model_name or llm.model_path.stem
         self.lock = threading.Lock()
+        self.slots = None
+        if llm.context.n_seq_max > 1:
+            from .slots import SlotScheduler
+
+            self.slots = SlotScheduler(llm)
         self.created = int(time.time())
         super().__init__((host, port), _Handler)
+
+    def server_close(self) -> None:
+        if self.slots is not None:
+            self.slots.close()
+        super().server_close()
 
     @property
     def url(self) -> str:
@@ -102,9 +114,10 @@ class _Handler(BaseHTTPRequestHandler):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         except (ValueError, RequestError) as exc:
             return self._error(400, str(exc))
-        with self.server.lock:
+        slots = self.server.slots
+        with self.server.lock if slots is None else contextlib.nullcontext():
             try:
-                result = fn(self.server.llm, kwargs.pop(main), **kwargs)
+                result = fn(self.server.llm if slots is None else slots.client(), kwargs.pop(main), **kwargs)
             except (ValueError, TypeError, NotImplementedError) as exc:
                 return self._error(400, str(exc))
             except Exception as exc:  # noqa: BLE001  (the server keeps serving)
@@ -161,7 +174,9 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
     """Serve until interrupted (Ctrl-C)."""
     server = SFIServer(llm, host, port, model_name)
     server.verbose = verbose
-    print(f"sfi-gguf serve: {server.url} (model '{server.model_name}'); Ctrl-C stops", file=sys.stderr, flush=True)
+    slots = f", {server.slots.n_slots} parallel slots" if server.slots else ""
+    print(f"sfi-gguf serve: {server.url} (model '{server.model_name}'{slots}); Ctrl-C stops", file=sys.stderr,
+          flush=True)
     try:
         server.serve_forever()
     except KeyboardInterrupt:
