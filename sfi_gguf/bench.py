@@ -215,7 +215,8 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                    n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
                    n_parallel=batch)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
-    decoder = BatchedDecoder(llm.context, lambda ctx, cfg: llm._stepper(cfg, ctx), lambda: llm._sfi_native)
+    decoder = BatchedDecoder(llm.context, lambda ctx, cfg: llm._stepper(cfg, ctx, batched=True),
+                             lambda: llm._sfi_native)
     try:
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
 
@@ -247,7 +248,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
             stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
             selector = sum(s.t_selector for s in stats)
             decoded = sum(decoder.t_decode.values())
-            effective = llm.effective_config(config)
+            effective = llm.effective_config(config, batched=True)
             row = BenchRow(
                 hardware=device, model=Path(str(llm.model_path)).name, model_shape=model_shape,
                 weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),

@@ -20,6 +20,12 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 # it, SFI on the H200 measured slower than dense decoding (BENCHMARKS.md, "Speed on the GPU").
 GPU_MIN_CONTEXT = 65536
 
+# Batched decoding (n_parallel sequences) with layers on a GPU stays dense unless SFIConfig.min_context
+# says otherwise: batched SFI measured slower than batched dense on the H200 at 8 x 16K and 16 x 32K
+# (BENCHMARKS.md, "Batched SFI"), where each slow sequence's export and Selector cost more than the
+# fast steps save.
+GPU_BATCHED_MIN_CONTEXT = 2**31 - 1
+
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
 
@@ -166,8 +172,10 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
-    def effective_config(self, config: SFIConfig) -> SFIConfig:
+    def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
+        if self.n_gpu_layers and config.min_context is None and batched:
+            return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
         if self.n_gpu_layers and config.min_context is None:
             # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
             # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
@@ -175,7 +183,7 @@ class SFILlama:
             return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
         return config
 
-    def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None):
+    def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None, batched: bool = False):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
 
         ctx: the sequence to step (default: the first); batched generation passes each slot's.
@@ -190,7 +198,7 @@ class SFILlama:
             return DenseStepper(ctx)
         _check_fits(config, self.n_ctx)
         _check_split(config, self.split_mode)
-        config = self.effective_config(config)
+        config = self.effective_config(config, batched)
         from .boundary import PieceTable
         from .policy import make_policy
         from .selector import make_selector
@@ -324,7 +332,7 @@ class SFILlama:
         from .batched import BatchedDecoder
 
         if self._batched is None:
-            self._batched = BatchedDecoder(self._ctx, lambda ctx, config: self._stepper(config, ctx),
+            self._batched = BatchedDecoder(self._ctx, lambda ctx, config: self._stepper(config, ctx, batched=True),
                                            lambda: self._sfi_native)
         return self._batched
 

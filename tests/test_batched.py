@@ -90,3 +90,19 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
     first = llm.generate(prompts[0], max_tokens=16, temperature=0, sfi=SMALL, ignore_eos=True)
     again = llm.generate(prompts[0], max_tokens=16, temperature=0, sfi=SMALL, ignore_eos=True)
     assert first.tokens == again.tokens
+
+
+def test_gpu_defaults_keep_batches_dense(llm):
+    """With offloaded layers a batch decodes densely unless min_context is set (BENCHMARKS.md: batched
+    SFI measured slower on the H200); a single sequence keeps the 64K rule."""
+    from sfi_gguf.llama import GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT
+
+    config = SFIConfig()
+    saved, llm.n_gpu_layers = llm.n_gpu_layers, 99  # only the config logic: nothing is offloaded here
+    try:
+        assert llm.effective_config(config, batched=True).min_context == GPU_BATCHED_MIN_CONTEXT
+        assert llm.effective_config(config).min_context == GPU_MIN_CONTEXT
+        assert llm.effective_config(config.replace(min_context=8192), batched=True).min_context == 8192
+    finally:
+        llm.n_gpu_layers = saved
+    assert llm.effective_config(config, batched=True).min_context is None  # the CPU: the budget rule
