@@ -12,7 +12,7 @@ import pytest
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.native import SFINative
-from test_native import FLASH_ATTN, THREADS, Ctx, Model, all_cells, tiny, tokens_for  # noqa: F401  (fixture)
+from test_native import FLASH_ATTN, THREADS, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
 
 N_SEQ = 3
 PROMPTS = (150, 201, 120)  # different lengths: the views differ in size and cells
@@ -80,16 +80,22 @@ def select_all(sfi: SFINative, seq: int, order=None) -> None:
     sfi.set_selection(np.ascontiguousarray(sel), seq=seq)
 
 
+def dense_and_selected(model, flash_attn=True):
+    """Two contexts holding the same prompts: a (dense) and b, whose sequences select all their cells."""
+    a, b = MultiCtx(model, flash_attn=flash_attn), MultiCtx(model, flash_attn=flash_attn)
+    prefill_all(a, model)
+    prefill_all(b, model)
+    sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+    for s in range(N_SEQ):
+        select_all(sfi, s)
+    return a, b, sfi
+
+
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 def test_all_cells_per_sequence_is_bit_identical(tiny, flash_attn):
     """Every sequence selects all its cells: a batched FAST step equals the batched dense step."""
-    a, b = MultiCtx(tiny, flash_attn=flash_attn), MultiCtx(tiny, flash_attn=flash_attn)
+    a, b, sfi = dense_and_selected(tiny, flash_attn)
     try:
-        prefill_all(a, tiny)
-        prefill_all(b, tiny)
-        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
-        for s in range(N_SEQ):
-            select_all(sfi, s)
         sfi.set_mode(sfi.FAST)
         toks = {s: 5 + s for s in range(N_SEQ)}
         for _ in range(24):
@@ -175,13 +181,8 @@ def test_batched_slow_step_exports_per_sequence(tiny, n_candidates, flash_attn):
 def test_mixed_slow_and_fast_sequences(tiny):
     """Per step some sequences slow (one SLOW llama_decode), the others fast (one FAST llama_decode, not
     necessarily consecutive sequence ids); a slow sequence reloads all its cells ordered by mass."""
-    a, b = MultiCtx(tiny), MultiCtx(tiny)
+    a, b, sfi = dense_and_selected(tiny)
     try:
-        prefill_all(a, tiny)
-        prefill_all(b, tiny)
-        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
-        for s in range(N_SEQ):
-            select_all(sfi, s)
         toks = {s: 3 for s in range(N_SEQ)}
         for step in range(12):
             slow = {step % N_SEQ} if step % 2 else set()  # sequence 1 slow: fast ones are 0 and 2

@@ -3,7 +3,6 @@ completions, streamed and not, errors as HTTP 400, and the CLI command itself.""
 import json
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.server import SFIServer
+from serving import running_server
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.real_model
@@ -22,14 +21,8 @@ PROMPT = "The three most important ideas in computer architecture are"
 
 @pytest.fixture(scope="module")
 def server():
-    llm = SFILlama(None, n_ctx=1024, n_threads=1)
-    srv = SFIServer(llm, "127.0.0.1", 0, model_name="test-model")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    llm.close()
+    with running_server(SFILlama(None, n_ctx=1024, n_threads=1), "test-model") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")

@@ -13,21 +13,15 @@ import pytest
 
 from sfi_gguf import SFILlama
 from sfi_gguf.random_model import random_model
-from sfi_gguf.server import SFIServer
+from serving import running_server
 
 SFI = {"k_head": 32, "n_recent": 32, "n_sink": 4, "min_context": 0, "policy": "fixed", "fixed_period": 8}
 
 
 @pytest.fixture(scope="module")
 def server():
-    llm = SFILlama(str(random_model("tiny-llama")), n_ctx=1024, n_parallel=3, n_threads=1)
-    srv = SFIServer(llm, "127.0.0.1", 0, model_name="tiny")
-    thread = threading.Thread(target=srv.serve_forever, daemon=True)
-    thread.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
-    llm.close()
+    with running_server(SFILlama(str(random_model("tiny-llama")), n_ctx=1024, n_parallel=3, n_threads=1), "tiny") as srv:
+        yield srv
 
 
 def _post(server, body: dict, stream: bool = False):
