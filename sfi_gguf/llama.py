@@ -288,8 +288,9 @@ class SFILlama:
         """
         if isinstance(prompts, str) or not len(prompts):
             raise ValueError("prompts must be a non-empty list of prompts")
-        if isinstance(prompts, str) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of prompts")
+        if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, (int, dict)) for p in prompts):
+            raise ValueError("prompts must be a non-empty list of prompts (strings, lists of chat messages or "
+                             "lists of token ids)")
         requests = []
         for i, prompt in enumerate(prompts):
             try:

@@ -77,6 +77,8 @@ def test_bad_input(llm, prompts):
         llm.generate_batch([])
     with pytest.raises(ValueError, match="non-empty list"):
         llm.generate_batch("one string")
+    with pytest.raises(ValueError, match="lists of token ids"):
+        llm.generate_batch(prompts[0])  # one prompt of token ids, not a list of prompts
     with pytest.raises(ValueError, match="prompt 1: the prompt has"):
         llm.generate_batch([prompts[0], [5] * 2000])
     with pytest.raises(ValueError, match="max_tokens"):
