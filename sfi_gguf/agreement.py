@@ -1,9 +1,11 @@
 """How closely SFI follows dense decoding: teacher-forced top-1 agreement and KL per step.
 
 Free-running greedy outputs stop being comparable after their first difference, so we force both
-decoders through the same continuation (the dense greedy one) and compare, at every step, the
-next-token distribution: does SFI's argmax equal dense's, and KL(dense || SFI). The KL uses dense's
-top-`top_n` tokens plus the remaining mass as one bucket, so nothing of vocabulary size is stored.
+decoders through the same continuation (the dense greedy one, or a given text: a greedy
+continuation can fall into a repetition loop that any recent window reproduces) and compare, at
+every step, the next-token distribution: does SFI's argmax equal dense's, and KL(dense || SFI).
+The KL uses dense's top-`top_n` tokens plus the remaining mass as one bucket, so nothing of
+vocabulary size is stored.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ class Agreement:
     n_steps: int
     top1: np.ndarray          # bool [n_steps]: SFI argmax == dense argmax
     kl: np.ndarray            # float [n_steps]: KL(dense || SFI), nats
-    tokens: list[int]         # the forced continuation (dense greedy)
+    tokens: list[int]         # the forced continuation (dense greedy or given)
     sfi_stats: object = None
+    argmax: np.ndarray | None = None  # int64 [n_steps]: SFI's own argmax at every step
 
     @property
     def top1_rate(self) -> float:
@@ -58,7 +61,8 @@ def _forced_run(stepper, ctx, prompt: list[int], forced: list[int] | None, n_ste
 
 @dataclass
 class DenseReference:
-    """Dense greedy continuation of a prompt and dense's distribution at every step (top_n + rest)."""
+    """The forced continuation of a prompt (dense greedy, or a given text) and dense's distribution
+    at every step (top_n + rest)."""
 
     tokens: list[int]
     top: np.ndarray           # int64 [n_steps, top_n]: dense's top_n token ids
@@ -84,9 +88,15 @@ def kl_to_reference(ref: DenseReference, i: int, logits: np.ndarray) -> float:
     return kl_top_n(ref.logp[i], log_softmax(logits)[ref.top[i]])
 
 
-def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64) -> DenseReference:
-    """Dense greedy decoding of `n_steps` tokens after `prompt_tokens`, keeping dense's distributions."""
+def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64,
+                    forced: list[int] | None = None) -> DenseReference:
+    """Dense decoding of `n_steps` tokens after `prompt_tokens`, keeping dense's distributions:
+    greedy, or forced through `forced` (e.g. the text that really follows the prompt)."""
     ctx = llm.context
+    if forced is not None:
+        if len(forced) < n_steps:
+            raise ValueError(f"forced continuation has {len(forced)} tokens, fewer than {n_steps} steps")
+        forced = list(forced[:n_steps])
     if len(prompt_tokens) + n_steps > ctx.n_ctx:
         raise ValueError(f"prompt ({len(prompt_tokens)}) + {n_steps} steps exceed n_ctx={ctx.n_ctx}")
     top = np.zeros((n_steps, top_n), dtype=np.int64)
@@ -98,23 +108,26 @@ def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64
         best = np.argpartition(lp, -top_n)[-top_n:]
         top[i], logp[i], argmax[i] = best, lp[best], int(np.argmax(logits))
 
-    tokens = _forced_run(llm._stepper(SFIConfig(policy="dense")), ctx, prompt_tokens, None, n_steps, keep)
+    tokens = _forced_run(llm._stepper(SFIConfig(policy="dense")), ctx, prompt_tokens, forced, n_steps, keep)
     return DenseReference(tokens=tokens, top=top, logp=logp, argmax=argmax)
 
 
 def agreement_with(llm, prompt_tokens: list[int], ref: DenseReference, config: SFIConfig | None = None) -> Agreement:
-    """SFI (`config`, default llm.sfi_config) forced through the dense continuation `ref`."""
+    """SFI (`config`, default llm.sfi_config) forced through the continuation of `ref`."""
     n_steps = ref.n_steps
     top1 = np.zeros(n_steps, dtype=bool)
     kl = np.zeros(n_steps)
+    argmax = np.zeros(n_steps, dtype=np.int64)
 
     def compare(i, logits):
-        top1[i] = int(np.argmax(logits)) == ref.argmax[i]
+        argmax[i] = int(np.argmax(logits))
+        top1[i] = argmax[i] == ref.argmax[i]
         kl[i] = kl_to_reference(ref, i, logits)
 
     stepper = llm._stepper(config)
     _forced_run(stepper, llm.context, prompt_tokens, ref.tokens, n_steps, compare)
-    return Agreement(n_steps=n_steps, top1=top1, kl=kl, tokens=ref.tokens, sfi_stats=getattr(stepper, "stats", None))
+    return Agreement(n_steps=n_steps, top1=top1, kl=kl, tokens=ref.tokens, sfi_stats=getattr(stepper, "stats", None),
+                     argmax=argmax)
 
 
 def compare_with_dense(llm, prompt, n_steps: int = 256, top_n: int = 64) -> Agreement:

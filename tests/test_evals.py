@@ -1,10 +1,11 @@
 """Quality evaluation (sfi_gguf.evals): case generation and scoring without a model, then the
 `--quick` suite end to end on the default model (CI: about two minutes on 2 CPU cores)."""
 import json
+import re
 
 import pytest
 
-from sfi_gguf.evals import common, cot, needle, variables
+from sfi_gguf.evals import common, cot, longgen, needle, variables
 from sfi_gguf.evals.report import markdown_table
 from sfi_gguf.evals.runner import POLICIES, aggregate, k_head_for
 
@@ -62,11 +63,33 @@ def test_variable_chains_are_in_order_and_scored_hop_by_hop():
     assert variables.score(case, f" VAR {names[2]} = {case.meta['distractor_value']}") == 0.25
 
 
-def test_cot_cases_have_computed_answers():
-    cases = cot.make_cases(None, 6)
-    assert len({c.meta["problem"] for c in cases}) == 6
+def test_cot_cases_have_computed_answers_and_are_seeded():
+    cases = cot.make_cases(None, 16)
+    assert len({c.meta["problem"] for c in cases}) == 16
+    assert [c.meta["problem"] for c in cot.make_cases(None, 16)] == [c.meta["problem"] for c in cases]
+    assert [c.meta["problem"] for c in cot.make_cases(None, 16, seed=1)] != [c.meta["problem"] for c in cases]
+    for i, case in enumerate(cases):  # every template in turn, its answer computed from the numbers in the text
+        template, solve, *_ = cot.TEMPLATES[i % len(cot.TEMPLATES)]
+        numbers = [int(n) for n in re.findall(r"\d+", case.meta["problem"])]
+        a, b, c = numbers  # the templates name a, b, c in this order
+        assert len(set(numbers)) == 3 and case.meta["problem"] == template.format(a=a, b=b, c=c)
+        assert case.expected == (str(solve(a, b, c)),)
+        assert int(case.expected[0]) > 0 and case.max_tokens >= 256
     assert cot.score(cases[0], f"So it is 5 + 2 = 7. The answer is {cases[0].expected[0]}.") == 1.0
+    assert cot.score(cases[0], f"The answer is \\(\\boxed{{{cases[0].expected[0]}}}\\).") == 1.0
     assert cot.score(cases[0], "The answer is -1.") == 0.0
+
+
+def test_longgen_reference_is_the_text_that_follows_the_prompt():
+    llm = WordTokenizer()
+    (case,) = longgen.make_cases(llm, 300, 1, n_steps=200)
+    assert longgen.make_cases(llm, 300, 1, n_steps=200)[0].document == case.document  # seeded
+    prompt, reference = longgen.prompt_tokens(llm, case), longgen.reference_tokens(llm, case)
+    assert len(prompt) == 300 and len(reference) == 200 == case.max_tokens
+    assert prompt + reference == llm.tokenize(case.document)[:500]  # held-out natural text, not a generation
+    short = common.Case(task="longgen", case_id="x", context=300, document="a b c", question="", max_tokens=200)
+    with pytest.raises(ValueError):
+        longgen.reference_tokens(llm, short)
 
 
 def test_insert_at_depths_places_facts_between_sentences():
@@ -114,6 +137,9 @@ def test_quick_suite_runs_every_policy_and_dense_solves_the_needles(tmp_path):
             assert r["n_prompt_decoded"] <= limit, r
     longgen = [r for r in records if r["task"] == "longgen" and r["policy"] == "punctuation"]
     assert len(longgen) == 1 and len(longgen[0]["top1_bits"]) == 64 and longgen[0]["per_100"]
+    # teacher-forced through held-out text, not dense's own greedy continuation (that would give dense 1.0)
+    dense_longgen = [r for r in records if r["task"] == "longgen" and r["policy"] == "dense"]
+    assert 0.0 < dense_longgen[0]["text_top1"] < 0.9 and "text_top1" in longgen[0]
     # resume: a second run with the same file finds every record done
     again = run_suite("quick", out, n_threads=2)
     assert len(again["records"]) == len(records) and again["rows"] == rows

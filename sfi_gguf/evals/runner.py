@@ -62,13 +62,13 @@ SUITES = {
             "cot": TaskPlan(contexts=(0,), n_cases=1, k_share=0.125, n_recent=32),
         }}),
     "default": Suite(
-        description="about an hour on 2 CPU cores: budget 12.5% of the context for the selection",
+        description="about 40 minutes on 2 CPU cores: budget 12.5% of the context for the selection",
         models={
             "qwen2.5-coder-0.5b-instruct": {
                 "needle": TaskPlan(contexts=(2048, 4096, 8192, 16384), n_cases=(5, 5, 3, 1)),
                 "variables": TaskPlan(contexts=(2048, 4096, 8192), n_cases=(6, 4, 2)),
                 "longgen": TaskPlan(contexts=(3072,), n_cases=1, options={"n_steps": 1024}),
-                "cot": TaskPlan(contexts=(0,), n_cases=8, n_recent=32),
+                "cot": TaskPlan(contexts=(0,), n_cases=16, n_recent=32),
             },
             "gemma3-270m": {
                 "needle": TaskPlan(contexts=(2048, 4096, 8192), n_cases=(3, 3, 2)),
@@ -134,6 +134,8 @@ def aggregate(records: list[dict]) -> list[dict]:
             row["score_dense_solved"] = round(float(np.mean(on_solved)), 4) if on_solved else None
         if task == longgen.TASK:
             row["mean_kl"] = round(float(np.mean([r["mean_kl"] for r in rs])), 4)
+            text = [r["text_top1"] for r in rs if "text_top1" in r]  # argmax == the text's next token
+            row["text_top1"] = round(float(np.mean(text)), 4) if text else None
         rows.append(row)
     return rows
 
