@@ -15,14 +15,13 @@ their compact views. `BatchedDecoder` keeps slots that requests join and leave b
 """
 from __future__ import annotations
 
-import codecs
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ._native import llama_cpp
 from .context import ContextError, LlamaContext
-from .generate import Completion, GenerationStats, _StopFilter
+from .generate import Completion, GenerationStats, TextStream, start_generation
 from .native import STATUS_FELL_BACK_DENSE, SFINative
 from .sampling import Sampler
 
@@ -35,13 +34,13 @@ GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINativ
 class SequenceNative:
     """The `SFINative` calls of one sequence: what `SFIStepper` needs, with the sequence id filled in.
 
-    The mode and candidate count are kept per sequence; they act when the sequence decodes alone (its
-    prefill), and the batch loop applies them per group before each grouped llama_decode.
+    A mode or candidate count acts at once (the sequence's prefill decodes alone); the candidate count
+    is also kept per sequence, for the batch loop to apply per group before each grouped llama_decode
+    (it sets the group's mode itself).
     """
 
     def __init__(self, native: SFINative, seq: int):
         self.base, self.seq = native, seq
-        self.mode = SFINative.DENSE
         self.n_candidates = 0
 
     @property
@@ -61,7 +60,6 @@ class SequenceNative:
         return bool(self.base.status(self.seq) & STATUS_FELL_BACK_DENSE)
 
     def set_mode(self, mode: int) -> None:
-        self.mode = mode
         self.base.set_mode(mode)
 
     def set_n_candidates(self, n_candidates: int) -> None:
@@ -117,8 +115,7 @@ class _Slot:
         self.request: Request | None = None
         self.stepper = None
         self.token = -1           # sampled, not decoded yet
-        self.utf8 = None
-        self.stops: _StopFilter | None = None
+        self.text: TextStream | None = None
         self.t_decode = 0.0
 
 
@@ -131,14 +128,15 @@ class BatchedDecoder:
     """
 
     def __init__(self, base: LlamaContext, make_stepper: Callable, native: Callable[[], SFINative | None]):
-        if base.n_seq_max < 1:
-            raise ValueError("the context holds no sequence")
         self.base = base
         self.make_stepper = make_stepper
         self.slots = [_Slot(base if s == 0 else base.sequence(s)) for s in range(base.n_seq_max)]
         self._batch = llama_cpp.llama_batch_init(base.n_seq_max, 0, 1)
         self.native = native
-        self.n_steps = 0
+        self.reset_timing()
+
+    def reset_timing(self) -> None:
+        """Zero the step timings (a benchmark reads them per run)."""
         self.t_steps = 0.0
         self.t_decode = {kind: 0.0 for kind in GROUP_ORDER}  # llama_decode time per kind of group
         self.n_decode = {kind: 0 for kind in GROUP_ORDER}    # sequence-steps per kind
@@ -166,16 +164,9 @@ class BatchedDecoder:
             raise RuntimeError("no free slot")
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
-        stats = request.stats
-        stats.n_prompt = len(request.tokens)
-        stats.seed = request.sampler.seed
-        slot.request, slot.utf8 = request, codecs.getincrementaldecoder("utf-8")(errors="replace")
-        slot.stops = _StopFilter(request.stop)
+        slot.request, slot.text = request, TextStream(request.stop)
         slot.stepper = self.make_stepper(slot.ctx, request.config)
-        stats.mode = slot.stepper.mode
-        t0 = time.perf_counter()
-        stats.n_prompt_decoded = slot.stepper.prefill(request.tokens, progress=progress)
-        stats.prefill_s = time.perf_counter() - t0
+        start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
         slot.t_decode = 0.0
         if request.max_tokens == 0:
             request.stats.finish_reason = "length"
@@ -222,7 +213,6 @@ class BatchedDecoder:
         dt = time.perf_counter() - t0
         for slot in self.active:
             slot.t_decode += dt
-        self.n_steps += 1
         self.t_steps += dt
         return ended
 
@@ -275,7 +265,7 @@ class BatchedDecoder:
             request.stats.finish_reason = "stop"
             request.done = True
             return
-        piece, stopped = slot.stops.push(slot.utf8.decode(slot.ctx.token_bytes(token)))
+        piece, stopped = slot.text.push(slot.ctx.token_bytes(token))
         self._emit(request, piece)
         if stopped:
             request.stats.finish_reason = "stop"
@@ -298,8 +288,7 @@ class BatchedDecoder:
     def _finish(self, slot: _Slot) -> Request:
         request = slot.request
         if request.stats.finish_reason == "length":
-            tail, _ = slot.stops.push(slot.utf8.decode(b"", final=True))
-            self._emit(request, tail + slot.stops.flush())
+            self._emit(request, slot.text.close())
         request.stats.decode_s = slot.t_decode
         request.stats.n_ctx_end = len(slot.ctx.tokens)
         slot.stepper.annotate(request.stats)

@@ -18,6 +18,7 @@ import json
 import platform
 import subprocess
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -109,27 +110,47 @@ def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) ->
     return time.perf_counter() - t0
 
 
-def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
-              n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
-              flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
-              split_mode: str = "layer", log: Callable[[str], None] = print) -> list[BenchRow]:
-    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth."""
+def _budget(config: SFIConfig, depth: int) -> int:
+    """Cells a fast step reads right after a refresh at `depth`: the depth of the ceiling."""
+    return config.n_sink + config.resolve_k_head(depth) + config.n_recent
+
+
+def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | None, flash_attn: bool | None,
+          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1):
+    """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
+    `shared`: the row fields every depth has in common but the git commit and the hardware."""
     from .context import default_threads
     from .devices import gpu_count
     from .llama import SFILlama
 
     config = config or SFIConfig(k_head=2048)
     depths = sorted(int(d) for d in depths)
-    n_ctx = depths[-1] + n_decode + 64
     if flash_attn is None:  # the faster dense setting: flash attention on a GPU, plain attention on a CPU
         flash_attn = n_gpu_layers != 0
-    llm = SFILlama(model, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads, n_batch=n_batch,
-                   flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode)
-    ctx = llm.context
+    llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
+                   n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
+                   n_parallel=n_parallel)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
+    effective = llm.effective_config(config, batched=n_parallel > 1)  # with the GPU defaults filled in
+    shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,
+                  n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
+                  batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
+                  min_context=effective.min_context or 0)
+    return llm, config, depths, shared
+
+
+def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
+              n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
+              flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
+              split_mode: str = "layer", log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth."""
+    llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
+                                        n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
+                                        split_mode=split_mode)
+    ctx = llm.context
     try:
         text = text_tokens(llm, depths[-1] + n_decode)
-        budget_depth = config.n_sink + config.resolve_k_head(depths[-1]) + config.n_recent
+        budget_depth = _budget(config, depths[-1])
 
         def dense_at(depth: int) -> float:
             ctx.truncate(min(len(ctx.tokens), depth))
@@ -141,31 +162,27 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         ceiling = dense_at(budget_depth)
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
         rows = []
-        commit, device = git_commit(12), hardware(n_gpu_layers, n_gpus)  # once: nvidia-smi is a subprocess
+        # once: nvidia-smi is a subprocess
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
         for depth in depths:
             t0 = time.perf_counter()
             dense_tok_s = dense_at(depth)
             log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
             stepper = llm._stepper(config)
-            effective = getattr(stepper, "config", config)  # with the GPU defaults filled in
             seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode])
             ctx.truncate(depth)
             s = stepper.stats if hasattr(stepper, "stats") else None
             native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
             row = BenchRow(
-                hardware=device, model=Path(str(llm.model_path)).name, model_shape=model_shape,
-                weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
-                budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
+                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
+                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
                 dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,
                 ratio=dense_tok_s and (n_decode / seconds) / dense_tok_s,
                 slow_steps=s.n_slow if s else 0, fast_steps=s.n_fast if s else 0, dense_steps=s.n_dense if s else 0,
                 t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
                 t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
-                flash_attn=ctx.flash_attn, n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(),
-                policy=config.policy, git_commit=commit, split_mode=split_mode, n_gpus=n_gpus,
-                selection_delay=effective.selection_delay,
                 t_selector_background_s=s.t_selector_background if s else 0.0,
-                min_context=effective.min_context or 0, slow_reasons=dict(s.reasons) if s else {})
+                slow_reasons=dict(s.reasons) if s else {})
             rows.append(row)
             log(format_row(row))
         return rows
@@ -202,21 +219,12 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps)."""
-    from .batched import BatchedDecoder, Request
-    from .context import default_threads
-    from .devices import gpu_count
-    from .llama import SFILlama
+    from .batched import Request
 
-    config = config or SFIConfig(k_head=2048)
-    depths = sorted(int(d) for d in depths)
-    if flash_attn is None:
-        flash_attn = n_gpu_layers != 0
-    llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
-                   n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
-                   n_parallel=batch)
-    n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
-    decoder = BatchedDecoder(llm.context, lambda ctx, cfg: llm._stepper(cfg, ctx, batched=True),
-                             lambda: llm._sfi_native)
+    llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
+                                        n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
+                                        split_mode=split_mode, n_parallel=batch)
+    decoder = llm.batched_decoder()
     try:
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
 
@@ -226,20 +234,18 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                                 max_tokens=n_decode + 1, ignore_eos=True, config=cfg) for t in texts]
             for r in requests:
                 decoder.add(r)
-            decoder.n_steps, decoder.t_steps = 0, 0.0
-            decoder.t_decode = dict.fromkeys(decoder.t_decode, 0.0)
-            decoder.n_decode = dict.fromkeys(decoder.n_decode, 0)
+            decoder.reset_timing()
             while decoder.active:
                 decoder.step()
             return decoder.t_steps, requests
 
         dense = SFIConfig(policy="dense")
-        budget_depth = config.n_sink + config.resolve_k_head(depths[-1]) + config.n_recent
+        budget_depth = _budget(config, depths[-1])
         seconds, _ = run(budget_depth, dense)
         ceiling = batch * n_decode / seconds
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory), batch {batch}: {ceiling:.1f} tok/s")
         rows = []
-        commit, device = git_commit(12), hardware(n_gpu_layers, n_gpus)
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
         for depth in depths:
             t0 = time.perf_counter()
             dense_s, _ = run(depth, dense)
@@ -248,28 +254,21 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
             stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
             selector = sum(s.t_selector for s in stats)
             decoded = sum(decoder.t_decode.values())
-            effective = llm.effective_config(config, batched=True)
             row = BenchRow(
-                hardware=device, model=Path(str(llm.model_path)).name, model_shape=model_shape,
-                weight_type=weight_type, depth=depth, k_head=config.resolve_k_head(depth),
-                budget=config.n_sink + config.resolve_k_head(depth) + config.n_recent, decoded_tokens=n_decode,
+                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
+                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
                 dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
                 ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
                 dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
                 t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
-                t_python_s=max(0.0, sfi_s - decoded - selector), flash_attn=llm.context.flash_attn,
-                n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
-                git_commit=commit, batch=batch, split_mode=split_mode, n_gpus=n_gpus,
-                selection_delay=effective.selection_delay,
+                t_python_s=max(0.0, sfi_s - decoded - selector),
                 t_selector_background_s=sum(s.t_selector_background for s in stats),
-                min_context=effective.min_context or 0,
-                slow_reasons={k: sum(s.reasons.get(k, 0) for s in stats) for s in stats for k in s.reasons})
+                slow_reasons=dict(sum((Counter(s.reasons) for s in stats), Counter())))
             rows.append(row)
             log(format_row(row))
         return rows
     finally:
-        decoder.close()
-        llm.close()
+        llm.close()  # closes its batched decoder too
 
 
 HEADER = ("| depth | dense tok/s | SFI tok/s | SFI/dense | ceiling tok/s | slow / fast steps | "

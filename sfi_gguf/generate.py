@@ -104,10 +104,26 @@ class _StopFilter:
         return out
 
 
-def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
-                   max_tokens: int, stop: Sequence[str], stats: GenerationStats,
-                   out_tokens: list[int], progress: bool = False, ignore_eos: bool = False) -> Iterator[str]:
-    """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted)."""
+class TextStream:
+    """Token bytes -> text pieces: UTF-8 decoded across token boundaries, cut at the first stop string."""
+
+    def __init__(self, stop: Sequence[str]):
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._stops = _StopFilter(stop)
+
+    def push(self, data: bytes) -> tuple[str, bool]:
+        """The text that is safe to emit now, and whether a stop string was reached."""
+        return self._stops.push(self._utf8.decode(data))
+
+    def close(self) -> str:
+        """What was held back, for a text that ended without a stop string (length, context full)."""
+        tail, _ = self._stops.push(self._utf8.decode(b"", final=True))
+        return tail + self._stops.flush()
+
+
+def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, stats: GenerationStats,
+                     progress: bool = False) -> None:
+    """The stepper's prefill of the prompt, recorded in `stats` with the sampler's seed."""
     stats.n_prompt = len(prompt_tokens)
     stats.seed = sampler.seed
     stats.mode = stepper.mode
@@ -115,8 +131,13 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
     stats.n_prompt_decoded = stepper.prefill(prompt_tokens, progress=progress)
     stats.prefill_s = time.perf_counter() - t0
 
-    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    stops = _StopFilter(stop)
+
+def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
+                   max_tokens: int, stop: Sequence[str], stats: GenerationStats,
+                   out_tokens: list[int], progress: bool = False, ignore_eos: bool = False) -> Iterator[str]:
+    """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted)."""
+    start_generation(stepper, prompt_tokens, sampler, stats, progress)
+    text = TextStream(stop)
     finish = "length"
     t_decode = time.perf_counter()
     try:
@@ -132,7 +153,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
                 finish = "stop"
                 stats.ended_on_eog = True
                 break
-            piece, stopped = stops.push(utf8.decode(ctx.token_bytes(token)))
+            piece, stopped = text.push(ctx.token_bytes(token))
             if piece:
                 yield piece
             if stopped:
@@ -141,8 +162,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
         else:
             finish = "length"
         if finish == "length":
-            tail, _ = stops.push(utf8.decode(b"", final=True))
-            tail += stops.flush()
+            tail = text.close()
             if tail:
                 yield tail
     finally:

@@ -286,8 +286,6 @@ class SFILlama:
         with its own SFI state (sampling seed: `seed + i` for prompt i when a seed is given); more
         prompts wait for a free sequence. Every prompt is prefilled anew (no prefix reuse).
         """
-        if isinstance(prompts, str) or not len(prompts):
-            raise ValueError("prompts must be a non-empty list of prompts")
         if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, (int, dict)) for p in prompts):
             raise ValueError("prompts must be a non-empty list of prompts (strings, lists of chat messages or "
                              "lists of token ids)")

@@ -93,9 +93,9 @@ class SlotClient:
         return getattr(self.llm, name)
 
     def generate(self, prompt, max_tokens: int = 256, stream: bool = False, logprobs: int | None = None, **kwargs):
-        request = self.llm.batch_request(prompt, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
-        if logprobs is not None and stream:
+        if logprobs is not None and stream:  # before the request: its sampler would be left open
             raise NotImplementedError("logprobs with stream=True is not supported")
+        request = self.llm.batch_request(prompt, max_tokens=max_tokens, logprobs=logprobs, **kwargs)
         self.last_stats = request.stats
         pieces = self.scheduler.submit(request)
         if stream:

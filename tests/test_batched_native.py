@@ -12,30 +12,18 @@ import pytest
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.native import SFINative
-from test_native import FLASH_ATTN, THREADS, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
+from test_native import FLASH_ATTN, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
 
 N_SEQ = 3
 PROMPTS = (150, 201, 120)  # different lengths: the views differ in size and cells
 N_CTX_SEQ = 512
 
 
-class MultiCtx:
+class MultiCtx(Ctx):
     """A context with one KV stream per sequence and a batch of up to one token per sequence."""
 
     def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True):
-        self.model = model
-        cp = llama_cpp.llama_context_default_params()
-        cp.n_ctx = n_seq * N_CTX_SEQ
-        cp.n_batch = cp.n_ubatch = 512
-        cp.n_seq_max = n_seq
-        cp.kv_unified = False
-        cp.n_threads = cp.n_threads_batch = THREADS
-        cp.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
-                              else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        self.ctx = llama_cpp.llama_init_from_model(model.ptr, cp)
-        assert self.ctx
-        self.mem = llama_cpp.llama_get_memory(self.ctx)
-        self.batch = llama_cpp.llama_batch_init(512, 0, 1)
+        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq)
         self.n_past = [0] * n_seq
 
     def prefill(self, seq, tokens):
@@ -49,8 +37,7 @@ class MultiCtx:
         out = {}
         for i, s in enumerate(seqs):
             self.n_past[s] += 1
-            p = llama_cpp.llama_get_logits_ith(self.ctx, i)
-            out[s] = np.ctypeslib.as_array(p, shape=(self.model.n_vocab,)).copy()
+            out[s] = self.logits(i)
         return out
 
     def _decode(self, items):
@@ -59,10 +46,6 @@ class MultiCtx:
         for i, (seq, tok, pos, logits) in enumerate(items):
             b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = int(tok), pos, 1, seq, logits
         assert llama_cpp.llama_decode(self.ctx, b) == 0
-
-    def close(self):
-        llama_cpp.llama_batch_free(self.batch)
-        llama_cpp.llama_free(self.ctx)
 
 
 def prefill_all(ctx: MultiCtx, model):
