@@ -3,7 +3,7 @@
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
 #   diag, profile (export ops and candidate slow steps), bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
-#   batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
+#   selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
@@ -51,6 +51,11 @@ if [[ " $stages " == *" tests "* ]]; then
     log "native tests on the GPU"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_native.py \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+fi
+if [[ " $stages " == *" selector-tests "* ]]; then
+    log "device Selector tests on the GPU (selections against the numpy reference)"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_device_selector.py \
+        2>&1 | tee "$OUT/gpu-selector-tests.log" | tail -5
 fi
 if [[ " $stages " == *" overhead "* ]]; then
     log "dense overhead: SFILlama vs C (Qwen3-4B shape, F16)"

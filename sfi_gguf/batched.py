@@ -34,14 +34,15 @@ GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINativ
 class SequenceNative:
     """The `SFINative` calls of one sequence: what `SFIStepper` needs, with the sequence id filled in.
 
-    A mode or candidate count acts at once (the sequence's prefill decodes alone); the candidate count
-    is also kept per sequence, for the batch loop to apply per group before each grouped llama_decode
-    (it sets the group's mode itself).
+    A mode, candidate count or device Selector acts at once (the sequence's prefill decodes alone); the
+    candidate count and Selector are also kept per sequence, for the batch loop to apply per group before
+    each grouped llama_decode (it sets the group's mode itself).
     """
 
     def __init__(self, native: SFINative, seq: int):
         self.base, self.seq = native, seq
         self.n_candidates = 0
+        self.selector: dict | None = None
 
     @property
     def params(self) -> dict:
@@ -66,8 +67,15 @@ class SequenceNative:
         self.n_candidates = n_candidates
         self.base.set_n_candidates(n_candidates)
 
+    def set_selector(self, params: dict | None) -> None:
+        self.selector = params
+        self.base.set_selector(params)
+
     def set_selection(self, cells) -> None:
         self.base.set_selection(cells, seq=self.seq)
+
+    def selection(self):
+        return self.base.selection(self.seq)
 
     def mass(self):
         return self.base.mass(self.seq)
@@ -219,17 +227,19 @@ class BatchedDecoder:
     @staticmethod
     def _groups(planned: dict[str, list[_Slot]]):
         """(kind, slots) per llama_decode, in GROUP_ORDER. Slow sequences that want different device
-        candidate counts (short and long contexts) decode apart: the count is one per decode, and a
-        sequence must export what it would export alone."""
+        candidate counts or device Selectors (short and long contexts) decode apart: both are one per
+        decode, and a sequence must export what it would export alone."""
         for kind in GROUP_ORDER:
             if kind != "slow":
                 if planned[kind]:
                     yield kind, planned[kind]
                 continue
-            by_count: dict[int, list[_Slot]] = {}
+            by_export: dict[tuple, list[_Slot]] = {}
             for slot in planned[kind]:
-                by_count.setdefault(slot.stepper.native.n_candidates, []).append(slot)
-            for group in by_count.values():
+                native = slot.stepper.native
+                selector = tuple(sorted(native.selector.items())) if native.selector else None
+                by_export.setdefault((native.n_candidates, selector), []).append(slot)
+            for group in by_export.values():
                 yield kind, group
 
     def _decode(self, group: list[_Slot], kind: str) -> None:
@@ -238,6 +248,7 @@ class BatchedDecoder:
             native.set_mode(GROUP_MODE[kind])
             if kind == "slow":
                 native.set_n_candidates(group[0].stepper.native.n_candidates)
+                native.set_selector(group[0].stepper.native.selector)
         batch = self._batch
         batch.n_tokens = len(group)
         for i, slot in enumerate(group):

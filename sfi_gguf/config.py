@@ -42,6 +42,14 @@ class SFIConfig:
     (top-k in the graph), so that a long context's export is not copied and scored whole. None: 4 x
     k_head once the context is more than twice that, else every cell; 0: always every cell."""
 
+    device_selector: bool | None = None
+    """Run the Selector inside the slow step's graph, on the device, when the slow step exports
+    candidates (`n_candidates`): only the selection leaves the device, and the host runs no numpy
+    scoring. The same stages as the numpy reference, except that the evidence is pooled over cells
+    before the candidates are picked (the host pools over the candidates' ranks) and the position
+    prior uses true positions; soft-NMS has no device version (the host runs it). None: on when the
+    model's layers are on a GPU (the numpy Selector then costs more than the slow step itself)."""
+
     selection_delay: int = 0
     """Fast steps between a slow step and the loading of its new selection (0: the Selector runs
     before the next step). Meanwhile the Selector runs in a background thread and fast steps keep
@@ -141,6 +149,7 @@ class SFIConfig:
              "must be None (n_sink + k_head + n_recent) or an integer >= 0")
         need(self.n_candidates is None or (_is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
              "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
+        need(self.device_selector in (None, True, False), "device_selector", "must be None, True or False")
         need(_is_int(self.selection_delay) and self.selection_delay >= 0, "selection_delay",
              "must be an integer >= 0")
         from .policy import POLICIES  # registries: a new policy or selector class is valid here at once

@@ -174,6 +174,9 @@ class SFILlama:
     # -- generation -----------------------------------------------------------------------------
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
+        if self.n_gpu_layers and config.device_selector is None:
+            # offloaded layers: the Selector runs in the slow step's graph (BENCHMARKS.md, "Speed on the GPU")
+            config = dataclasses.replace(config, device_selector=True)
         if self.n_gpu_layers and config.min_context is None and batched:
             return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
         if self.n_gpu_layers and config.min_context is None:

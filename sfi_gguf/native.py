@@ -67,6 +67,24 @@ class llama_sfi_params(ctypes.Structure):
     ]
 
 
+class llama_sfi_selector_params(ctypes.Structure):
+    _fields_ = [
+        ("k_head", ctypes.c_int32),
+        ("n_sink", ctypes.c_int32),
+        ("n_recent", ctypes.c_int32),
+        ("pool_window", ctypes.c_int32),
+        ("key_norm_exponent", ctypes.c_float),
+        ("w_pos", ctypes.c_float),
+        ("pos_beta", ctypes.c_float),
+        ("pos_power", ctypes.c_float),
+        ("pos_eta", ctypes.c_float),
+        ("lambda_clip_single", ctypes.c_float),
+        ("lambda_clip_multi", ctypes.c_float),
+        ("cross_head_alpha", ctypes.c_float),
+        ("cross_head_temperature", ctypes.c_float),
+    ]
+
+
 _ctx_p = llama_cpp.llama_context_p_ctypes
 _i32p = ctypes.POINTER(ctypes.c_int32)
 _f32p = ctypes.POINTER(ctypes.c_float)
@@ -105,6 +123,10 @@ if HAS_SFI:
     _seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
     _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
     _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
+    # the SFI Selector in the slow step's graph (API v5)
+    _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
+    _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
+    _seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
 
 
 def _check(func: str, rc: int) -> int:
@@ -149,6 +171,7 @@ class SFINative:
             if value is not None:
                 setattr(p, name, value)
         self._initialized = False  # a failed re-init may already have freed the previous state
+        self._selector = None      # ... and a (re-)init starts without a device Selector
         _check("llama_sfi_init", _init(self.ctx, ctypes.byref(p)))
         self.params = {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
         self._initialized = True
@@ -202,6 +225,23 @@ class SFINative:
         """Slow steps export only this many candidate cells per layer, chosen on the device (0: all)."""
         _check("llama_sfi_set_n_candidates", _set_n_candidates(self.ctx, int(n_candidates)))
 
+    def set_selector(self, params: dict | None) -> None:
+        """Slow steps with candidates run the Selector on the device with these `llama_sfi_selector_params`
+        (missing fields: the C defaults; None: no device Selector) and export only its selection."""
+        if params == self._selector:
+            return  # unchanged: keep the compiled slow-step graph (new values are new graph constants)
+        if params is None:
+            _check("llama_sfi_set_selector", _set_selector(self.ctx, None))
+            self._selector = None
+            return
+        p = _selector_default_params()
+        for name, value in params.items():
+            if name not in dict(llama_sfi_selector_params._fields_):
+                raise ValueError(f"llama_sfi_selector_params has no field {name!r}")
+            setattr(p, name, value)
+        _check("llama_sfi_set_selector", _set_selector(self.ctx, ctypes.byref(p)))
+        self._selector = dict(params)
+
     # -- exports --------------------------------------------------------------------------------
     def _export(self, fn, name: str, seq: int) -> np.ndarray | None:
         nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
@@ -234,6 +274,17 @@ class SFINative:
         if not ptr:
             return None
         out = np.empty((nl.value, nc.value), dtype=np.int32)
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
+
+    def selection(self, seq: int = 0) -> np.ndarray | None:
+        """int32 [n_layers, n_head_kv, k_head]: the cells the device Selector kept in seq's last slow step,
+        each row in no particular order (None: that step ran no device Selector)."""
+        nl, nh, nk = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+        ptr = _seq_get_selection(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nk))
+        if not ptr:
+            return None
+        out = np.empty((nl.value, nh.value, nk.value), dtype=np.int32)
         ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
         return out
 

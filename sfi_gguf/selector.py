@@ -361,6 +361,11 @@ class Selector(ABC):
     def from_config(cls, config: SFIConfig) -> Selector:
         return cls()
 
+    def device_params(self, k_head: int, n_sink: int, n_recent: int) -> dict | None:
+        """`llama_sfi_selector_params` of the same selector run in the slow step's graph (patch 0008), or
+        None when this selector has no device version."""
+        return None
+
     def select(self, export: AttentionExport, candidates: CandidateRange, k_head: int) -> np.ndarray:
         """int32 [L, H, k] selected candidate cells per (layer, KV head), sorted ascending, unique.
 
@@ -488,6 +493,15 @@ class SFISelector(Selector):
                    nms_window=config.nms_window, nms_strength=config.nms_strength,
                    cross_head_alpha=config.cross_head_alpha, cross_head_temperature=config.cross_head_temperature,
                    **({} if config.pool_window is None else {"pool_window": config.pool_window}))
+
+    def device_params(self, k_head, n_sink, n_recent):
+        if self.nms_strength:  # soft-NMS has no device version
+            return None
+        return dict(k_head=int(k_head), n_sink=int(n_sink), n_recent=int(n_recent), pool_window=int(self.pool_window),
+                    key_norm_exponent=-self.prior["gamma"] * self.prior["w_l2"], w_pos=self.prior["w_pos"],
+                    pos_beta=self.prior["pos_beta"], pos_power=self.prior["pos_power"], pos_eta=self.prior["pos_eta"],
+                    lambda_clip_single=self.lambda_clip_single, lambda_clip_multi=self.lambda_clip_multi,
+                    cross_head_alpha=self.cross_head_alpha, cross_head_temperature=self.cross_head_temperature)
 
     def lambda_max(self, n_rows: int) -> float:
         return self.lambda_clip_single if n_rows == 1 else self.lambda_clip_multi

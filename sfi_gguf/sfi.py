@@ -48,6 +48,7 @@ class SFIStats:
     t_selector: float = 0.0         # on the decoding thread
     t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (selection_delay > 0)
     n_async: int = 0                # selections computed in the background (selection_delay > 0)
+    n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
 
     @property
     def mean_overlap(self) -> float:
@@ -72,6 +73,7 @@ class SFIStepper:
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
+        self._device_selector: dict | None = None  # ... and set_selector (None: the host Selector)
         self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
@@ -201,7 +203,20 @@ class SFIStepper:
         if n_candidates != self._n_candidates:
             self.native.set_n_candidates(n_candidates)
             self._n_candidates = n_candidates
+        self._device_selector = self._device_selector_params(n_context, n_candidates)
+        self.native.set_selector(self._device_selector)
         self.native.set_mode(SFINative.SLOW)
+
+    def _device_selector_params(self, n_context: int, n_candidates: int) -> dict | None:
+        """The Selector to run in this slow step's graph, or None (the host scores the export): on when
+        configured, for a selector with a device version, once the range holds the candidates."""
+        if not self.config.device_selector or n_candidates <= 0:
+            return None
+        k_head = self._k_head(n_context)
+        n_recent = self._recent(n_context)
+        if k_head > min(n_candidates, len(CandidateRange.for_context(n_context, self.config.n_sink, n_recent))):
+            return None
+        return self.selector.device_params(k_head, self.config.n_sink, n_recent)
 
     def _begin_bootstrap(self) -> None:
         self._set_slow(self._n_prompt)
@@ -221,6 +236,14 @@ class SFIStepper:
         n_context = len(self.ctx.tokens)
         k_head = self._k_head(n_context)
         positions = self._positions()
+        selected = self.native.selection() if self._device_selector is not None else None
+        if selected is not None:  # the device ran the Selector: nothing to score here
+            selected.sort(axis=-1)
+            self.policy.note_refresh()
+            self._use_selection(selected, positions)
+            self.stats.n_device_selections += 1
+            self.stats.t_selector += time.perf_counter() - t0
+            return
         mass = self.native.mass()
         if mass is None:  # the slow step could not export (should not happen): stay dense until the next one
             self.stats.n_fell_back += 1

@@ -108,3 +108,16 @@ def test_gpu_defaults_keep_batches_dense(llm):
     finally:
         llm.n_gpu_layers = saved
     assert llm.effective_config(config, batched=True).min_context is None  # the CPU: the budget rule
+
+
+def test_device_selector_each_sequence_decodes_as_it_would_alone(llm, prompts):
+    """The Selector in the slow step's graph (128 candidates of each sequence, one set of ops for all the
+    slow sequences of a step): each sequence gets the selections, hence the tokens, it gets alone."""
+    config = SMALL.replace(device_selector=True, n_candidates=128)
+    batch = _batch(llm, prompts, config, n=40)
+    for prompt, b in zip(prompts, batch):
+        alone = llm.generate(prompt, max_tokens=40, temperature=0, sfi=config, ignore_eos=True)
+        assert b.tokens == alone.tokens and b.stats.sfi.slow_steps == alone.stats.sfi.slow_steps
+        assert b.stats.sfi.refresh_overlap == pytest.approx(alone.stats.sfi.refresh_overlap)
+        # every refresh (bootstrap or slow step) ran on the device
+        assert b.stats.sfi.n_device_selections == b.stats.sfi.n_slow + b.stats.sfi.n_bootstrap >= 2

@@ -1,0 +1,200 @@
+"""The SFI Selector in the slow step's graph (patch 0008) against the numpy reference (sfi_gguf.selector).
+
+With as many candidates as cells in the range, the device runs exactly the reference's stages on the full
+export: its scores (captured with cb_eval on the CPU) must match `SFISelector.score` and its selection
+`SFISelector.select`. With fewer candidates, the candidates are the cells of most pooled evidence summed over
+the heads, and the stages run on them (test below, numpy written out). Set SFI_TEST_NGL=99 to run the
+selection tests with the layers on a GPU (the score captures need host tensors and are skipped there).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sfi_gguf.native import SFINative
+from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
+                               mix_evidence_and_prior, position_log_prior, power_mean_evidence)
+from test_native import NGL, Capture, Ctx, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
+
+N_SINK, N_RECENT, K_HEAD = 4, 64, 96
+FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
+
+
+def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True):
+    """Two contexts holding the same prompt, and the token of the slow step."""
+    toks = tokens_for(model, n_prompt + 1, seed=seed)
+    pair = Ctx(model, flash_attn=flash_attn), Ctx(model, flash_attn=flash_attn, capture=capture)
+    for c in pair:
+        for i in range(0, n_prompt, 256):
+            c.decode(toks[i:min(i + 256, n_prompt)])
+    return pair, toks[n_prompt:]
+
+
+def host_export(full: SFINative, n_head: int) -> AttentionExport:
+    mass = full.mass()
+    return AttentionExport(mass=mass, evidence=full.evidence(), key_norms=full.key_norms(),
+                           n_rows=full.n_query_rows() * (n_head // full.n_head_kv), alpha=0.5,
+                           positions=full.cell_pos()[:mass.shape[2]])
+
+
+def n_head_of(model) -> int:
+    from sfi_gguf._native import llama_cpp
+
+    return llama_cpp.llama_model_n_head(model.ptr)
+
+
+def overlap(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.mean([len(np.intersect1d(x, y)) / len(x) for x, y in zip(a.reshape(-1, a.shape[-1]),
+                                                                               b.reshape(-1, b.shape[-1]))]))
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen3"])  # 4 KV heads (cross-head exclusivity) and 2
+def test_device_selector_equals_numpy_reference(fixture, flash_attn, request):
+    model = request.getfixturevalue(fixture)
+    n_prompt = 700
+    capture = Capture(["sfi_sel_score"]) if NGL == 0 else None
+    (c, d), slow_token = prefilled_pair(model, n_prompt, seed=5, capture=capture, flash_attn=flash_attn)
+    try:
+        full, dev = SFINative(c.ctx), SFINative(d.ctx)
+        selector = SFISelector()
+        rng = CandidateRange.for_context(n_prompt + 1, N_SINK, N_RECENT)
+        dev.set_n_candidates(len(rng))
+        dev.set_selector(selector.device_params(K_HEAD, N_SINK, N_RECENT))
+        for sfi in (full, dev):
+            sfi.set_mode(sfi.SLOW)
+        if capture is not None:
+            capture.seen.clear()
+        c.decode(slow_token)
+        d.decode(slow_token)
+        assert np.array_equal(c.logits(), d.logits())  # still an exact dense step
+        assert dev.mass() is None and dev.evidence() is None  # only the selection left the device
+
+        export = host_export(full, n_head_of(model))
+        expected = selector.select(export, rng, K_HEAD)
+        got = dev.selection()
+        L, H, _ = expected.shape
+        assert got.shape == (L, H, K_HEAD)
+        got = np.sort(got, axis=-1)
+        assert all(len(np.unique(row)) == K_HEAD for row in got.reshape(-1, K_HEAD))
+        assert overlap(expected, got) >= 0.99, overlap(expected, got)
+
+        cells = dev.candidates()
+        assert cells.shape == (L, len(rng)) and np.array_equal(np.sort(cells, -1), np.broadcast_to(
+            np.arange(rng.start, rng.stop), (L, len(rng))))
+        if capture is not None:
+            reference = selector.score(export, slice(0, L), export.candidate_cells(rng))  # [L, H, C] by position
+            scores = capture.seen["sfi_sel_score"]
+            assert len(scores) == L
+            for layer in range(L):
+                device = scores[layer].reshape(H, -1)  # [H, n_cand] in candidate order
+                np.testing.assert_allclose(device, reference[layer][:, cells[layer] - rng.start], rtol=1e-5, atol=2e-5)
+    finally:
+        c.close()
+        d.close()
+
+
+def reference_with_candidates(export: AttentionExport, rng: CandidateRange, n_cand: int, k: int,
+                              selector: SFISelector):
+    """The device pipeline with fewer candidates than cells, in numpy: evidence pooled over the whole range,
+    candidates by head-summed pooled evidence, then the stages on the candidates (f renormalised, the position
+    prior at the candidates' true positions). Returns (candidate cells [L, n_cand] as sets, scores)."""
+    sl = slice(rng.start, rng.stop)
+    f = local_pool(power_mean_evidence(export.evidence[..., sl], export.n_rows, 0.5), selector.pool_window)
+    best = np.argsort(-f.sum(axis=1), axis=-1, kind="stable")[:, :n_cand]  # [L, n_cand] indices into the range
+    log_prior = selector.prior["w_pos"] * position_log_prior(len(rng), selector.prior["pos_beta"],
+                                                             selector.prior["pos_power"], selector.prior["pos_eta"])
+    out = []
+    for layer in range(f.shape[0]):
+        idx = best[layer]
+        fc = f[layer][:, idx]
+        fc = fc / fc.sum(-1, keepdims=True)
+        norms = np.maximum(export.key_norms[layer][:, sl][:, idx], np.finfo(np.float32).tiny)
+        log_r = -selector.prior["gamma"] * selector.prior["w_l2"] * np.log(norms) + log_prior[idx]
+        r = np.exp(log_r - log_r.max(-1, keepdims=True))
+        r = (r / r.sum(-1, keepdims=True)).astype(np.float32)
+        q, _ = mix_evidence_and_prior(fc.astype(np.float32), r, selector.lambda_max(export.n_rows))
+        s = np.log(np.maximum(q, np.finfo(np.float32).tiny))
+        if s.shape[0] > 2:
+            s = cross_head_exclusivity(s, selector.cross_head_alpha, selector.cross_head_temperature)
+        out.append((idx + rng.start, s))
+    return out
+
+
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen3"])
+def test_device_selector_with_fewer_candidates(fixture, request):
+    model = request.getfixturevalue(fixture)
+    n_prompt, n_cand = 900, 256
+    capture = Capture(["sfi_sel_score"]) if NGL == 0 else None
+    (c, d), slow_token = prefilled_pair(model, n_prompt, seed=9, capture=capture)
+    try:
+        full, dev = SFINative(c.ctx), SFINative(d.ctx)
+        selector = SFISelector()
+        rng = CandidateRange.for_context(n_prompt + 1, N_SINK, N_RECENT)
+        dev.set_n_candidates(n_cand)
+        dev.set_selector(selector.device_params(K_HEAD, N_SINK, N_RECENT))
+        for sfi in (full, dev):
+            sfi.set_mode(sfi.SLOW)
+        c.decode(slow_token)
+        d.decode(slow_token)
+        export = host_export(full, n_head_of(model))
+        reference = reference_with_candidates(export, rng, n_cand, K_HEAD, selector)
+        sl = slice(rng.start, rng.stop)
+        pooled_sum = local_pool(power_mean_evidence(export.evidence[..., sl], export.n_rows, 0.5),
+                                selector.pool_window).sum(axis=1)  # [L, C]
+        cells, got = dev.candidates(), np.sort(dev.selection(), axis=-1)
+        for layer, (ref_cells, ref_scores) in enumerate(reference):
+            # the n_cand best head-summed pooled scores (pooling makes plateaus: ties at the cut may pick other cells)
+            assert len(np.unique(cells[layer])) == n_cand
+            np.testing.assert_allclose(np.sort(pooled_sum[layer][cells[layer] - rng.start])[::-1],
+                                       np.sort(pooled_sum[layer])[::-1][:n_cand], rtol=1e-5)
+            assert np.all(np.isin(got[layer], cells[layer]))  # picks come from the candidates
+            assert np.all((got[layer] >= rng.start) & (got[layer] < rng.stop))
+            ref_pick = np.sort(ref_cells[np.argsort(-ref_scores, axis=-1, kind="stable")[:, :K_HEAD]], axis=-1)
+            assert overlap(ref_pick, got[layer]) >= 0.97
+            if capture is not None and np.array_equal(np.sort(cells[layer]), np.sort(ref_cells)):
+                order = np.argsort(ref_cells)
+                device = capture.seen["sfi_sel_score"][layer].reshape(ref_scores.shape[0], -1)
+                by_cell = device[:, np.argsort(cells[layer])]
+                np.testing.assert_allclose(by_cell, ref_scores[:, order], rtol=1e-4, atol=1e-4)
+    finally:
+        c.close()
+        d.close()
+
+
+def test_candidates_outside_the_range_count_for_nothing(tiny):
+    """More candidates than cells in the range: the extra ones (sink, recent window) are never picked and do
+    not change the scores; fewer cells in the range than k_head: no selection (the caller falls back)."""
+    n_prompt = 300
+    (c, d), slow_token = prefilled_pair(tiny, n_prompt, seed=2)
+    try:
+        n_range = len(CandidateRange.for_context(n_prompt + 1, N_SINK, N_RECENT))
+        selections = []
+        for ctx, n_cand in ((c, n_range), (d, n_prompt)):
+            sfi = SFINative(ctx.ctx)
+            sfi.set_n_candidates(n_cand)
+            sfi.set_selector(SFISelector().device_params(64, N_SINK, N_RECENT))
+            sfi.set_mode(sfi.SLOW)
+            ctx.decode(slow_token)
+            selections.append(np.sort(sfi.selection(), axis=-1))
+        assert np.all((selections[1] >= N_SINK) & (selections[1] < n_prompt + 1 - N_RECENT))
+        assert overlap(*selections) >= 0.99
+        dev = sfi
+        dev.set_selector(SFISelector().device_params(n_range + 2, N_SINK, N_RECENT))  # the range grows by one
+        d.decode([7])
+        assert dev.selection() is None
+        # k_head above the candidates: no Selector in the graph, an ordinary candidate export
+        dev.set_n_candidates(32)
+        dev.set_selector(SFISelector().device_params(64, N_SINK, N_RECENT))
+        d.decode([8])
+        assert dev.selection() is None and dev.mass().shape[2] == 32
+        with pytest.raises(Exception):
+            dev.set_selector({"k_head": -1})
+        with pytest.raises(ValueError):
+            dev.set_selector({"no_such_field": 1})
+        dev.set_selector(None)
+        d.decode([9])
+        assert dev.selection() is None and dev.mass().shape[2] == 32
+    finally:
+        c.close()
+        d.close()
