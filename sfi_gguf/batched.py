@@ -71,8 +71,11 @@ class SequenceNative:
         self.selector = params
         self.base.set_selector(params)
 
-    def set_selection(self, cells) -> None:
-        self.base.set_selection(cells, seq=self.seq)
+    def set_selection(self, cells, shared=None) -> None:
+        self.base.set_selection(cells, seq=self.seq, shared=shared)
+
+    def selection_overlap(self):
+        return self.base.selection_overlap(self.seq)
 
     def selection(self):
         return self.base.selection(self.seq)

@@ -123,6 +123,11 @@ if HAS_SFI:
     _seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
     _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
     _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
+    # a selection with cells shared by every row, and its overlap with the previous one (API v6)
+    _set_selection_shared = _bind("llama_sfi_set_selection_shared",
+                                  [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                                   _i32p, ctypes.c_int32], ctypes.c_int32)
+    _seq_selection_overlap = _bind("llama_sfi_seq_selection_overlap", [_ctx_p, ctypes.c_int32], ctypes.c_float)
     # the SFI Selector in the slow step's graph (API v5)
     _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
     _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
@@ -213,13 +218,25 @@ class SFINative:
     def set_mode(self, mode: int) -> None:
         _check("llama_sfi_set_mode", _set_mode(self.ctx, int(mode)))
 
-    def set_selection(self, cells, seq: int = 0) -> None:
-        """cells: int array [n_layers, n_head_kv, n_sel] of cell ids (see cell_pos())."""
+    def set_selection(self, cells, seq: int = 0, shared=None) -> None:
+        """cells: int array [n_layers, n_head_kv, n_sel] of cell ids (see cell_pos()), in any order; shared:
+        cells every (layer, head) also reads (the sink and the recent window), int array [n_shared]."""
         a = np.ascontiguousarray(cells, dtype=np.int32)
         if a.ndim != 3:
             raise SFIError("llama_sfi_set_selection", ERR_COUNT)
-        rc = _set_selection(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2])
+        if shared is None:
+            rc = _set_selection(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2])
+        else:
+            b = np.ascontiguousarray(shared, dtype=np.int32).reshape(-1)
+            rc = _set_selection_shared(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2],
+                                       b.ctypes.data_as(_i32p), len(b))
         _check("llama_sfi_set_selection", rc)
+
+    def selection_overlap(self, seq: int = 0) -> float | None:
+        """Share of the own (not shared) cells of seq's selection that the one before it had, per (layer,
+        head), over all of them; None when there was no previous selection with own cells."""
+        overlap = float(_seq_selection_overlap(self.ctx, seq))
+        return None if overlap < 0 else overlap
 
     def set_n_candidates(self, n_candidates: int) -> None:
         """Slow steps export only this many candidate cells per layer, chosen on the device (0: all)."""

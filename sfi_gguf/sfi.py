@@ -22,7 +22,7 @@ from .config import SFIConfig
 from .context import LlamaContext
 from .native import SFINative
 from .policy import MemoryMode, TriggerPolicy, top1_probability
-from .selector import AttentionExport, CandidateRange, Selector, assemble_memory, refresh_overlap
+from .selector import AttentionExport, CandidateRange, Selector
 
 
 @dataclass
@@ -237,8 +237,7 @@ class SFIStepper:
         k_head = self._k_head(n_context)
         positions = self._positions()
         selected = self.native.selection() if self._device_selector is not None else None
-        if selected is not None:  # the device ran the Selector: nothing to score here
-            selected.sort(axis=-1)
+        if selected is not None:  # the device ran the Selector: nothing to score here (rows in any order)
             self.policy.note_refresh()
             self._use_selection(selected, positions)
             self.stats.n_device_selections += 1
@@ -260,7 +259,7 @@ class SFIStepper:
             self._load_memory(self._selected)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
-            self._pending = self._executor.submit(self._timed_select, export, candidates, k_head, self._selected)
+            self._pending = self._executor.submit(self._timed_select, export, candidates, k_head)
             self._load_at = self._n_step + 1 + self.config.selection_delay
             self.stats.n_async += 1
             self.stats.t_selector += time.perf_counter() - t0
@@ -268,38 +267,30 @@ class SFIStepper:
         self._use_selection(self.selector.select(export, candidates, k_head), positions)
         self.stats.t_selector += time.perf_counter() - t0
 
-    def _timed_select(self, export: AttentionExport, candidates: CandidateRange, k_head: int,
-                      previous: np.ndarray | None):
-        """The background half of a refresh: the Selector, and the overlap statistic while at it."""
+    def _timed_select(self, export: AttentionExport, candidates: CandidateRange, k_head: int):
+        """The background half of a refresh: the Selector."""
         t0 = time.perf_counter()
         selected = self.selector.select(export, candidates, k_head)
-        overlap = self._overlap(previous, selected)
-        return selected, overlap, time.perf_counter() - t0
+        return selected, time.perf_counter() - t0
 
-    @staticmethod
-    def _overlap(previous: np.ndarray | None, selected: np.ndarray) -> float | None:
-        if previous is None or previous.shape[:2] != selected.shape[:2]:
-            return None
-        return float(refresh_overlap(previous, selected))
-
-    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None,
-                       overlap: float | None = None) -> None:
-        if overlap is None:
-            overlap = self._overlap(self._selected, selected)
-        if overlap is not None:
-            self.stats.refresh_overlap.append(overlap)
+    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None) -> None:
+        had_previous = self._selected is not None
         self._selected = selected
         self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
         self._load_memory(selected, positions)
+        # support stability, counted by the native side while it checks the selection
+        overlap = self.native.selection_overlap() if had_previous else None
+        if overlap is not None:
+            self.stats.refresh_overlap.append(overlap)
 
     def _load_pending(self) -> None:
         """Load the background Selector's result (waiting for it) unless the view was dropped since."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
-        selected, overlap, t_background = pending.result()
+        selected, t_background = pending.result()
         self.stats.t_selector_background += t_background
         if self._sparse:
-            self._use_selection(selected, overlap=overlap)
+            self._use_selection(selected)
             # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
             # the new selection, not the stale one the fast steps used meanwhile
             self.policy.note_refresh()
@@ -330,8 +321,7 @@ class SFIStepper:
         if candidates is None:
             candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
         sink, recent = candidates.sink_and_recent_cells(positions)
-        memory = assemble_memory(selected, sink, recent)
-        self.native.set_selection(memory)
+        self.native.set_selection(selected, shared=np.concatenate([sink, recent]))
         self.native.set_mode(SFINative.FAST)
         self._sparse = True
         self._tail = 0

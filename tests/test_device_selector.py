@@ -14,7 +14,7 @@ import pytest
 from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
-from test_native import NGL, Capture, Ctx, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
+from test_native import NGL, Capture, Ctx, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
 FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
@@ -195,6 +195,41 @@ def test_candidates_outside_the_range_count_for_nothing(tiny):
         dev.set_selector(None)
         d.decode([9])
         assert dev.selection() is None and dev.mass().shape[2] == 32
+    finally:
+        c.close()
+        d.close()
+
+
+def test_shared_cells_and_overlap(tiny):
+    """set_selection(own, shared=...) reads like the assembled selection (own + shared in every row), and
+    the native overlap is `refresh_overlap` of the own cells."""
+    from sfi_gguf.selector import assemble_memory, refresh_overlap
+
+    n_prompt = 400
+    (c, d), token = prefilled_pair(tiny, n_prompt, seed=4)
+    try:
+        assembled, shared = SFINative(c.ctx), SFINative(d.ctx)
+        rng = np.random.default_rng(0)
+        L, H = shared.n_layers, shared.n_head_kv
+        sink, recent = np.arange(4), np.arange(n_prompt - 32, n_prompt)
+
+        def own(k):
+            return np.stack([np.stack([rng.choice(np.arange(4, n_prompt - 32), k, replace=False) for _ in range(H)])
+                             for _ in range(L)]).astype(np.int32)
+
+        first, second = own(40), own(48)
+        for sel in (first, second):
+            assembled.set_selection(assemble_memory(np.sort(sel, -1), sink, recent))
+            shared.set_selection(sel, shared=np.concatenate([sink, recent]))
+        assert shared.selection_overlap() == pytest.approx(refresh_overlap(first, second), abs=1e-6)
+        for sfi in (assembled, shared):
+            sfi.set_mode(sfi.FAST)
+        c.decode(token)
+        d.decode(token)
+        assert nmse(d.logits(), c.logits()) < 1e-5  # the same cells in other slots: only the summation order differs
+        assert SFINative(c.ctx).selection_overlap() is None  # re-initialised: no previous selection
+        with pytest.raises(Exception):
+            shared.set_selection(second, shared=np.array([int(second[0, 0, 0])]))  # a shared cell twice in a row
     finally:
         c.close()
         d.close()
