@@ -20,11 +20,11 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 # it, SFI on the H200 measured slower than dense decoding (BENCHMARKS.md, "Speed on the GPU").
 GPU_MIN_CONTEXT = 65536
 
-# Batched decoding (n_parallel sequences) with layers on a GPU stays dense unless SFIConfig.min_context
-# says otherwise: batched SFI measured slower than batched dense on the H200 at 8 x 16K and 16 x 32K
-# (BENCHMARKS.md, "Batched SFI"), where each slow sequence's export and Selector cost more than the
-# fast steps save.
-GPU_BATCHED_MIN_CONTEXT = 2**31 - 1
+# Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
+# (unless SFIConfig.min_context says otherwise). With the Selector on the device the H200 measured 1.22x
+# batched dense at 4 x 128K and 0.69x at 16 x 32K (BENCHMARKS.md, "Batched SFI"): each slow sequence's
+# export costs about two dense batched steps, which only long contexts pay back.
+GPU_BATCHED_MIN_CONTEXT = 131072
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024

@@ -94,9 +94,10 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
     assert first.tokens == again.tokens
 
 
-def test_gpu_defaults_keep_batches_dense(llm):
-    """With offloaded layers a batch decodes densely unless min_context is set (BENCHMARKS.md: batched
-    SFI measured slower on the H200); a single sequence keeps the 64K rule."""
+def test_gpu_defaults(llm):
+    """With offloaded layers a batch uses SFI from 128K cells per sequence unless min_context is set
+    (BENCHMARKS.md: batched SFI measured slower on the H200 at 32K), a single sequence from 64K, and the
+    Selector runs in the slow step's graph unless device_selector says otherwise; on the CPU neither."""
     from sfi_gguf.llama import GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT
 
     config = SFIConfig()
@@ -105,9 +106,12 @@ def test_gpu_defaults_keep_batches_dense(llm):
         assert llm.effective_config(config, batched=True).min_context == GPU_BATCHED_MIN_CONTEXT
         assert llm.effective_config(config).min_context == GPU_MIN_CONTEXT
         assert llm.effective_config(config.replace(min_context=8192), batched=True).min_context == 8192
+        assert llm.effective_config(config).device_selector is True
+        assert llm.effective_config(config.replace(device_selector=False)).device_selector is False
     finally:
         llm.n_gpu_layers = saved
     assert llm.effective_config(config, batched=True).min_context is None  # the CPU: the budget rule
+    assert llm.effective_config(config).device_selector is None  # the CPU: the numpy Selector
 
 
 def test_device_selector_each_sequence_decodes_as_it_would_alone(llm, prompts):
