@@ -233,3 +233,33 @@ def test_shared_cells_and_overlap(tiny):
     finally:
         c.close()
         d.close()
+
+
+def test_generation_with_the_device_selector_follows_the_numpy_selector(tmp_path):
+    """End to end (SFILlama, greedy): with every cell of the range a candidate, the device Selector makes the
+    selections the numpy one makes, so the tokens and slow steps agree; every refresh ran on the device. And
+    `sfi-gguf bench --device-selector on` records it in its rows."""
+    import json
+
+    from sfi_gguf import SFILlama, cli
+    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.random_model import random_model
+
+    path = random_model("tiny-llama")
+    llm = SFILlama(str(path), n_ctx=2048, n_threads=1)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(1).integers(3, 200, 1100)]
+        base = SFIConfig(k_head=128, n_recent=64, policy="fixed", fixed_period=8, n_candidates=10**6)
+        host = llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True, sfi=base.replace(device_selector=False))
+        dev = llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True, sfi=base.replace(device_selector=True))
+        s = dev.stats.sfi
+        assert s.n_device_selections == s.n_slow + s.n_bootstrap and s.n_slow >= 4
+        assert host.stats.sfi.n_device_selections == 0
+        assert dev.tokens == host.tokens and s.slow_steps == host.stats.sfi.slow_steps
+        assert s.refresh_overlap == pytest.approx(host.stats.sfi.refresh_overlap, abs=0.02)
+    finally:
+        llm.close()
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "-m", str(path), "--depths", "1024", "-n", "16", "--k-head", "64", "-t", "1",
+                     "--device-selector", "on", "--json", str(out)]) == 0
+    assert [r["device_selector"] for r in json.loads(out.read_text())] == [True]
