@@ -101,17 +101,21 @@ def test_rpc_all_cells_equals_dense(servers, n_gpu_layers, flash_attn, type_kv):
 
 @need_rpc
 def test_rpc_generation_equals_local(servers):
-    """SFILlama(rpc_servers=...) greedy SFI generation (fast and slow steps) == the same model on the local CPU."""
+    """SFILlama(rpc_servers=...) greedy SFI generation (fast and slow steps) == the same model on the local CPU,
+    with the Selector in the slow step's graph on both (the default with offloaded layers; the CPU default is
+    the numpy Selector, which pools over candidate ranks and so picks other cells)."""
     rng = np.random.default_rng(0)
     prompt = [int(t) for t in rng.integers(3, 300, 700)]
     config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16,
-                       min_context=0)  # offloaded layers: SFI also below GPU_MIN_CONTEXT
+                       min_context=0,  # offloaded layers: SFI also below GPU_MIN_CONTEXT
+                       device_selector=True)
     results = []
     for placement in (dict(n_gpu_layers=99, rpc_servers=servers), dict(n_gpu_layers=0)):
         with SFILlama(four_layers(), n_ctx=1024, n_threads=1, flash_attn=True, sfi=config, **placement) as llm:
             out = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True)
             s = out.stats.sfi
             assert s.n_fast > 0 and s.n_slow > 0 and s.n_fell_back == 0, s
+            assert s.n_device_selections == s.n_slow + s.n_bootstrap, s
             results.append((out.tokens, s.slow_steps, s.refresh_overlap))
     assert results[0] == results[1]
 
