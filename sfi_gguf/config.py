@@ -47,8 +47,9 @@ class SFIConfig:
     candidates (`n_candidates`): only the selection leaves the device, and the host runs no numpy
     scoring. The same stages as the numpy reference, except that the evidence is pooled over cells
     before the candidates are picked (the host pools over the candidates' ranks) and the position
-    prior uses true positions; soft-NMS has no device version (the host runs it). None: on when the
-    model's layers are on a GPU (the numpy Selector then costs more than the slow step itself)."""
+    prior uses true positions; soft-NMS has no device version (the host runs it). The selection is
+    loaded at once (`selection_delay` has nothing to overlap). None: on when the model's layers are on
+    a GPU (the numpy Selector then costs about as much as the slow step itself)."""
 
     selection_delay: int = 0
     """Fast steps between a slow step and the loading of its new selection (0: the Selector runs

@@ -7,7 +7,8 @@ stepper. It owns the native compact view (`native.SFINative`), the trigger polic
     -> fast steps (compact view: selection + tail) -> slow step when the policy fires -> ...
 
 A slow step is an exact dense step that also exports attention mass; the Selector turns the export
-into the next selection. Policies whose memory needs no evidence (sink+recent, or a static
+into the next selection (with `SFIConfig.device_selector` the slow step runs the Selector in its own
+graph and exports only the selection). Policies whose memory needs no evidence (sink+recent, or a static
 selection whose tail fills up) refresh cheaply: the same cells, a new recent window, no slow step.
 """
 from __future__ import annotations
