@@ -338,6 +338,9 @@ def add_bench_parser(sub) -> None:
                         "meanwhile (default 0; see SFIConfig.selection_delay)")
     p.add_argument("--min-context", type=int, default=None,
                    help="SFI starts at this context (default: 64K with offloaded layers, else the budget)")
+    p.add_argument("--n-candidates", type=int, default=None,
+                   help="cells per layer a slow step picks on the device for the Selector (default: 4 x k_head "
+                        "at long context, else every cell; see SFIConfig.n_candidates)")
     p.add_argument("--device-selector", choices=["auto", "on", "off"], default="auto",
                    help="run the Selector in the slow step's graph (auto: with offloaded layers; see "
                         "SFIConfig.device_selector)")
@@ -367,7 +370,8 @@ def _cmd_bench(args) -> int:
                        selection_delay=args.selection_delay,
                        min_context=args.min_context, refresh_interval=args.refresh_interval,
                        confidence_floor=args.confidence_floor,
-                       device_selector={"auto": None, "on": True, "off": False}[args.device_selector])
+                       device_selector={"auto": None, "on": True, "off": False}[args.device_selector],
+                       n_candidates=args.n_candidates)
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
