@@ -251,10 +251,11 @@ class SFINative:
             _check("llama_sfi_set_selector", _set_selector(self.ctx, None))
             self._selector = None
             return
+        unknown = set(params) - {name for name, _ in llama_sfi_selector_params._fields_}
+        if unknown:
+            raise ValueError(f"llama_sfi_selector_params has no field {', '.join(map(repr, sorted(unknown)))}")
         p = _selector_default_params()
         for name, value in params.items():
-            if name not in dict(llama_sfi_selector_params._fields_):
-                raise ValueError(f"llama_sfi_selector_params has no field {name!r}")
             setattr(p, name, value)
         _check("llama_sfi_set_selector", _set_selector(self.ctx, ctypes.byref(p)))
         self._selector = dict(params)

@@ -560,6 +560,8 @@ def assemble_memory(selected: np.ndarray, sink_cells: np.ndarray, recent_cells: 
 def refresh_overlap(old: np.ndarray, new: np.ndarray, per_head: bool = False) -> float | np.ndarray:
     """Share of the new selection already in the old one ("support stability"), over all heads.
 
+    The numpy reference of what decoding records: the native side counts it while it checks a new
+    selection (`SFINative.selection_overlap`).
     `old`, `new`: [..., k_old] and [..., k_new] cell ids with the same leading shape, unique per row.
     per_head=True gives the share per row instead (float64 [...]).
     """
@@ -570,7 +572,7 @@ def refresh_overlap(old: np.ndarray, new: np.ndarray, per_head: bool = False) ->
     if new.shape[-1] == 0:
         return np.zeros(new.shape[:-1]) if per_head else 0.0
     # a bitmap of the old row's cells, row by row: cheaper than sorting all keys (a refresh at 128K has
-    # 36 x 8 rows of 2048 cells, and this runs on the decoding thread)
+    # 36 x 8 rows of 2048 cells)
     mark = np.zeros(int(max(old.max(initial=0), new.max(initial=0))) + 1, dtype=bool)
     n_rows = int(np.prod(new.shape[:-1]))  # not -1: an empty old selection has no size to infer it from
     old_rows, new_rows = old.reshape(n_rows, old.shape[-1]), new.reshape(n_rows, new.shape[-1])

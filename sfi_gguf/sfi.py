@@ -74,7 +74,6 @@ class SFIStepper:
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
-        self._device_selector: dict | None = None  # ... and set_selector (None: the host Selector)
         self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
@@ -204,8 +203,7 @@ class SFIStepper:
         if n_candidates != self._n_candidates:
             self.native.set_n_candidates(n_candidates)
             self._n_candidates = n_candidates
-        self._device_selector = self._device_selector_params(n_context, n_candidates)
-        self.native.set_selector(self._device_selector)
+        self.native.set_selector(self._device_selector_params(n_context, n_candidates))
         self.native.set_mode(SFINative.SLOW)
 
     def _device_selector_params(self, n_context: int, n_candidates: int) -> dict | None:
@@ -235,10 +233,9 @@ class SFIStepper:
         """
         t0 = time.perf_counter()
         n_context = len(self.ctx.tokens)
-        k_head = self._k_head(n_context)
         positions = self._positions()
-        selected = self.native.selection() if self._device_selector is not None else None
-        if selected is not None:  # the device ran the Selector: nothing to score here (rows in any order)
+        selected = self.native.selection()  # None unless the slow step ran the Selector in its graph
+        if selected is not None:  # nothing to score here (rows in any order)
             self.policy.note_refresh()
             self._use_selection(selected, positions)
             self.stats.n_device_selections += 1
@@ -250,6 +247,7 @@ class SFIStepper:
             self._sparse = False
             self.native.set_mode(SFINative.DENSE)
             return
+        k_head = self._k_head(n_context)
         export = AttentionExport(mass=mass, evidence=self.native.evidence(), key_norms=self.native.key_norms(),
                                  n_rows=self.native.n_query_rows() * self._group_size(),
                                  alpha=self.native.params["evidence_alpha"],
