@@ -125,6 +125,19 @@ int main(int argc, char ** argv) {
 
     bench("kq (permuted K, 1 row)", kq);
     bench("kq + soft_max", [&](ggml_context * ctx) { return ggml_soft_max_ext(ctx, kq(ctx), in.mask, scale, 0.0f); });
+    // one op per layer on few long rows (one CUDA block per row) against one op on every layer's rows
+    bench("soft_max, 32 rows per layer", [&](ggml_context * ctx) { return ggml_soft_max_ext(ctx, in.p, in.mask, scale, 0.0f); });
+    bench("soft_max, 8 rows per layer", [&](ggml_context * ctx) {
+        return ggml_soft_max_ext(ctx, ggml_view_3d(ctx, in.p, n_kv, 1, N_HEAD_KV, in.p->nb[1], in.p->nb[2], 0), in.mask, scale, 0.0f); });
+    {
+        int first = 1;
+        bench("soft_max of all layers' 32 rows (1 op)", [&](ggml_context * ctx) {
+            ggml_tensor * all = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_kv, 1, N_HEAD * N_LAYERS);
+            ggml_tensor * r = first ? ggml_soft_max_ext(ctx, all, in.mask, scale, 0.0f) : ggml_scale(ctx, in.score, 1.0f);
+            first = 0;
+            return r;
+        });
+    }
     bench("group_sum (mass)", [&](ggml_context * ctx) { return group_sum(ctx, in.p, n_kv); });
     bench("group_sum by halving (0006)", [&](ggml_context * ctx) { return group_sum_halving(ctx, in.p, n_kv); });
     bench("sqrt + group_sum (evidence)", [&](ggml_context * ctx) { return group_sum(ctx, ggml_sqrt(ctx, in.p), n_kv); });

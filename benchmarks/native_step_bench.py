@@ -8,7 +8,10 @@ at the same context length):
   * slow step at --ctx (dense + attention-mass / evidence / key-norm export, copied to the host);
   * the first FAST step after a selection (it gathers the selection: the "refresh") and the
     following FAST steps, with a selection of --budget cells per (layer, KV head);
-  * a dense step at a context of --budget tokens (what a FAST step should cost at most).
+  * a dense step at a context of --budget tokens (what a FAST step should cost at most);
+  * with --cycle M: refresh cycles as SFI decoding runs them (a slow step with the device Selector,
+    its selection loaded, M fast steps), each part timed: what a refresh costs beyond M+1 fast steps,
+    graph rebuilds included (--cycle-candidates: the candidate counts to try).
 A step is llama_decode of one token plus reading its logits (which waits for the device).
 
     python benchmarks/native_step_bench.py                         # random Qwen3-4B shape, CPU
@@ -34,6 +37,7 @@ from sfi_gguf._native import llama_cpp  # noqa: E402  (loads the patched library
 from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative, STATUS_LAST_FAST  # noqa: E402
 from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
+from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
 
 
 def summarize(times: list[float]) -> dict:
@@ -87,6 +91,60 @@ class Bench:
         return times
 
 
+def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, groups: int = 1) -> dict:
+    """Refresh cycles as SFIStepper runs them: a slow step whose graph runs the Selector, its selection
+    loaded with the sink and recent cells shared, then args.cycle fast steps. The refresh's cost is the
+    cycle's time less args.cycle + 1 steady fast steps (fast_ms). groups > 1: after the warm-up cycle,
+    each slow step refreshes one group of layers in turn."""
+    n_sink, n_recent = 4, min(256, args.budget // 4)
+    k_head = args.budget - n_sink - n_recent
+    sfi.set_n_candidates(n_cand)
+    sfi.set_selector(SFISelector().device_params(k_head, n_sink, n_recent))
+    base = b.n_past
+    sfi.set_mode(sfi.SLOW)  # slow steps in a row: the same graph each time (a CUDA graph once warm)
+    steady_slow = summarize(b.series(args.steps, args.warmup))
+    parts: dict[str, list[float]] = {k: [] for k in ("slow", "host", "fast_1", "fast_2", "fast_3", "fast_rest", "cycle")}
+    for rep in range(args.cycles + 1):
+        sfi.set_refresh_layers(*((groups, rep % groups) if rep else (1, 0)))
+        sfi.set_mode(sfi.SLOW)
+        t0 = time.perf_counter()
+        t_slow = b.step()
+        t1 = time.perf_counter()
+        sel = sfi.selection()
+        if sel is None:
+            raise SystemExit("the slow step ran no device Selector")
+        pos = sfi.cell_pos()
+        sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
+        sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
+        sfi.set_mode(sfi.FAST)
+        t_host = time.perf_counter() - t1
+        fast = [b.step() for _ in range(args.cycle)]
+        if not sfi.status() & STATUS_LAST_FAST:
+            raise SystemExit("the fast steps fell back to dense")
+        t_cycle = time.perf_counter() - t0
+        if rep == 0:
+            continue  # warm-up: first graphs of each kind
+        for k, v in (("slow", t_slow), ("host", t_host), ("fast_1", fast[0]), ("fast_2", fast[1] if len(fast) > 1 else 0.0),
+                     ("fast_3", fast[2] if len(fast) > 2 else 0.0),
+                     ("fast_rest", sum(fast[3:]) / max(1, len(fast) - 3)), ("cycle", t_cycle)):
+            parts[k].append(v)
+    b.truncate(base)
+    sfi.set_selector(None)
+    sfi.set_n_candidates(0)
+    sfi.set_refresh_layers(1, 0)
+    out = {k: summarize(v) for k, v in parts.items()}
+    out["steady_slow"] = steady_slow
+    overhead = out["cycle"]["median_ms"] - (args.cycle + 1) * fast_ms
+    out["refresh_overhead_ms"] = overhead
+    print(f"cycle @ {b.n_past}, {n_cand} candidates, {groups} group(s) of layers, slow + {args.cycle} fast: {out['cycle']['median_ms']:.1f} ms = "
+          f"slow {out['slow']['median_ms']:.1f} + host {out['host']['median_ms']:.1f} + first fast "
+          f"{out['fast_1']['median_ms']:.2f} + second {out['fast_2']['median_ms']:.2f} + third "
+          f"{out['fast_3']['median_ms']:.2f} + the rest at "
+          f"{out['fast_rest']['median_ms']:.2f} each; refresh overhead {overhead:.1f} ms over steady fast steps "
+          f"(slow steps in a row: {steady_slow['median_ms']:.1f} ms)", flush=True)
+    return out
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-4b", help=f"GGUF path or one of {', '.join(SHAPES)}")
@@ -102,6 +160,13 @@ def main(argv=None) -> dict:
     ap.add_argument("--query-rows", type=int, default=1, help="query rows of the slow-step export")
     ap.add_argument("--n-candidates", type=int, nargs="*", default=[],
                     help="also time slow steps that export only this many candidate cells per layer")
+    ap.add_argument("--cycle", type=int, default=0, metavar="M",
+                    help="also time refresh cycles: a slow step with the device Selector, then M fast steps")
+    ap.add_argument("--cycle-candidates", type=int, nargs="*", default=[8192],
+                    help="candidate cells per layer of the cycles' slow steps (one series each)")
+    ap.add_argument("--cycles", type=int, default=6, help="cycles per series (after one warm-up cycle)")
+    ap.add_argument("--refresh-layer-groups", type=int, nargs="*", default=[1],
+                    help="cycle series whose slow steps refresh one of this many groups of layers in turn")
     ap.add_argument("--json", default="native_step_bench.json", help="output file ('' = none)")
     args = ap.parse_args(argv)
     if args.budget > args.ctx:
@@ -112,7 +177,7 @@ def main(argv=None) -> dict:
     t_fill = b.fill(args.ctx, args.batch)
     print(f"filled {args.ctx} tokens in {t_fill:.1f} s", flush=True)
 
-    n_tail = args.steps + args.warmup + 8
+    n_tail = max(args.steps + args.warmup, args.cycle) + 8
     sfi = SFINative(b.ctx, n_sel_max=args.budget, n_tail_max=n_tail, n_query_rows=args.query_rows)
     res: dict = {}
 
@@ -171,6 +236,11 @@ def main(argv=None) -> dict:
     print(f"fast  @ {args.ctx}, {args.budget} cells: {res['fast']['median_ms']:.2f} ms "
           f"(first step with the gather: {res['fast_first_with_refresh']['median_ms']:.2f} ms, "
           f"set_selection {res['set_selection']['median_ms']:.2f} ms)", flush=True)
+
+    for n_cand in (args.cycle_candidates if args.cycle else []):
+        for groups in args.refresh_layer_groups:
+            key = f"cycle_{n_cand}" + (f"_groups{groups}" if groups > 1 else "")
+            res[key] = cycle_series(b, sfi, args, n_cand, res["fast"]["median_ms"], groups)
 
     sfi.set_mode(sfi.DENSE)
     b.truncate(args.budget)

@@ -34,8 +34,8 @@ GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINativ
 class SequenceNative:
     """The `SFINative` calls of one sequence: what `SFIStepper` needs, with the sequence id filled in.
 
-    A mode, candidate count or device Selector acts at once (the sequence's prefill decodes alone); the
-    candidate count and Selector are also kept per sequence, for the batch loop to apply per group before
+    A mode, candidate count, device Selector or group of layers to refresh acts at once (the sequence's
+    prefill decodes alone); they are also kept per sequence, for the batch loop to apply per group before
     each grouped llama_decode (it sets the group's mode itself).
     """
 
@@ -43,6 +43,7 @@ class SequenceNative:
         self.base, self.seq = native, seq
         self.n_candidates = 0
         self.selector: dict | None = None
+        self.refresh_layers = (1, 0)
 
     @property
     def params(self) -> dict:
@@ -70,6 +71,10 @@ class SequenceNative:
     def set_selector(self, params: dict | None) -> None:
         self.selector = params
         self.base.set_selector(params)
+
+    def set_refresh_layers(self, n_groups: int, group: int) -> None:
+        self.refresh_layers = (n_groups, group)
+        self.base.set_refresh_layers(n_groups, group)
 
     def set_selection(self, cells, shared=None) -> None:
         self.base.set_selection(cells, seq=self.seq, shared=shared)
@@ -230,7 +235,7 @@ class BatchedDecoder:
     @staticmethod
     def _groups(planned: dict[str, list[_Slot]]):
         """(kind, slots) per llama_decode, in GROUP_ORDER. Slow sequences that want different device
-        candidate counts or device Selectors (short and long contexts) decode apart: both are one per
+        candidate counts, device Selectors or groups of layers to refresh (short and long contexts) decode apart: each is one per
         decode, and a sequence must export what it would export alone."""
         for kind in GROUP_ORDER:
             if kind != "slow":
@@ -241,7 +246,7 @@ class BatchedDecoder:
             for slot in planned[kind]:
                 native = slot.stepper.native
                 selector = tuple(sorted(native.selector.items())) if native.selector else None
-                by_export.setdefault((native.n_candidates, selector), []).append(slot)
+                by_export.setdefault((native.n_candidates, selector, native.refresh_layers), []).append(slot)
             for group in by_export.values():
                 yield kind, group
 
@@ -252,6 +257,7 @@ class BatchedDecoder:
             if kind == "slow":
                 native.set_n_candidates(group[0].stepper.native.n_candidates)
                 native.set_selector(group[0].stepper.native.selector)
+                native.set_refresh_layers(*group[0].stepper.native.refresh_layers)
         batch = self._batch
         batch.n_tokens = len(group)
         for i, slot in enumerate(group):

@@ -65,6 +65,7 @@ class BenchRow:
     t_selector_background_s: float = 0.0  # its time there (not on the decoding thread)
     min_context: int = 0           # SFI below this context decodes densely
     device_selector: bool = False  # the Selector ran in the slow step's graph (when it had candidates)
+    refresh_layer_groups: int = 1  # > 1: a device-Selector refresh renewed one group of layers in turn
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
 
 
@@ -136,7 +137,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
     shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,
                   n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
                   batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
-                  min_context=effective.min_context or 0, device_selector=bool(effective.device_selector))
+                  min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
+                  refresh_layer_groups=effective.refresh_layer_groups)
     return llm, config, depths, shared
 
 
@@ -344,6 +346,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device-selector", choices=["auto", "on", "off"], default="auto",
                    help="run the Selector in the slow step's graph (auto: with offloaded layers; see "
                         "SFIConfig.device_selector)")
+    p.add_argument("--refresh-layer-groups", type=int, default=None,
+                   help="a device-Selector refresh renews one of this many groups of layers in turn (default: "
+                        "SFIConfig's; see SFIConfig.refresh_layer_groups)")
     p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
     p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
@@ -371,7 +376,8 @@ def _cmd_bench(args) -> int:
                        min_context=args.min_context, refresh_interval=args.refresh_interval,
                        confidence_floor=args.confidence_floor,
                        device_selector={"auto": None, "on": True, "off": False}[args.device_selector],
-                       n_candidates=args.n_candidates)
+                       n_candidates=args.n_candidates,
+                       **({} if args.refresh_layer_groups is None else {"refresh_layer_groups": args.refresh_layer_groups}))
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,

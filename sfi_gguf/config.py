@@ -51,6 +51,12 @@ class SFIConfig:
     loaded at once (`selection_delay` has nothing to overlap). None: on when the model's layers are on
     a GPU (the numpy Selector then costs about as much as the slow step itself)."""
 
+    refresh_layer_groups: int = 1
+    """With the device Selector, a refresh renews the selection of one group of layers in turn (layer i
+    in group i % refresh_layer_groups) and keeps the other layers' cells, so that a slow step scores
+    1/refresh_layer_groups of the layers: the reference's `refresh_layer_groups` (2 in its throughput
+    runs). The first refresh of a generation renews every layer. 1: every refresh renews every layer."""
+
     selection_delay: int = 0
     """Fast steps between a slow step and the loading of its new selection (0: the Selector runs
     before the next step). Meanwhile the Selector runs in a background thread and fast steps keep
@@ -151,6 +157,8 @@ class SFIConfig:
         need(self.n_candidates is None or (_is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
              "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
         need(self.device_selector in (None, True, False), "device_selector", "must be None, True or False")
+        need(_is_int(self.refresh_layer_groups) and self.refresh_layer_groups >= 1, "refresh_layer_groups",
+             "must be an integer >= 1")
         need(_is_int(self.selection_delay) and self.selection_delay >= 0, "selection_delay",
              "must be an integer >= 0")
         from .policy import POLICIES  # registries: a new policy or selector class is valid here at once

@@ -132,6 +132,8 @@ if HAS_SFI:
     _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
     _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
     _seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
+    # the device Selector refreshes a group of layers (API v7)
+    _set_refresh_layers = _bind("llama_sfi_set_refresh_layers", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 
 
 def _check(func: str, rc: int) -> int:
@@ -177,6 +179,7 @@ class SFINative:
                 setattr(p, name, value)
         self._initialized = False  # a failed re-init may already have freed the previous state
         self._selector = None      # ... and a (re-)init starts without a device Selector
+        self._refresh_layers = (1, 0)  # ... refreshing every layer
         _check("llama_sfi_init", _init(self.ctx, ctypes.byref(p)))
         self.params = {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
         self._initialized = True
@@ -259,6 +262,14 @@ class SFINative:
             setattr(p, name, value)
         _check("llama_sfi_set_selector", _set_selector(self.ctx, ctypes.byref(p)))
         self._selector = dict(params)
+
+    def set_refresh_layers(self, n_groups: int, group: int) -> None:
+        """Slow steps with the device Selector refresh only the layers i % n_groups == group; the others keep
+        the own cells of the selection the view holds (n_groups 1: every layer)."""
+        if (n_groups, group) == self._refresh_layers:
+            return
+        _check("llama_sfi_set_refresh_layers", _set_refresh_layers(self.ctx, int(n_groups), int(group)))
+        self._refresh_layers = (n_groups, group)
 
     # -- exports --------------------------------------------------------------------------------
     def _export(self, fn, name: str, seq: int) -> np.ndarray | None:

@@ -50,6 +50,7 @@ class SFIStats:
     t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (selection_delay > 0)
     n_async: int = 0                # selections computed in the background (selection_delay > 0)
     n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
+    n_group_refresh: int = 0        # of them, refreshes of one group of layers (refresh_layer_groups)
 
     @property
     def mean_overlap(self) -> float:
@@ -203,8 +204,20 @@ class SFIStepper:
         if n_candidates != self._n_candidates:
             self.native.set_n_candidates(n_candidates)
             self._n_candidates = n_candidates
-        self.native.set_selector(self._device_selector_params(n_context, n_candidates))
+        device_params = self._device_selector_params(n_context, n_candidates)
+        self.native.set_selector(device_params)
+        self.native.set_refresh_layers(*self._layers_to_refresh(device_params))
         self.native.set_mode(SFINative.SLOW)
+
+    def _layers_to_refresh(self, device_params: dict | None) -> tuple[int, int]:
+        """(n_groups, group) of the device Selector: one group of layers in turn once the view holds a
+        selection of k_head cells per row for the other layers to keep (`refresh_layer_groups`)."""
+        n_groups = self.config.refresh_layer_groups
+        if (n_groups <= 1 or device_params is None or not self._sparse or self._selected is None
+                or self._selected.shape[-1] != device_params["k_head"]):
+            return 1, 0
+        self.stats.n_group_refresh += 1
+        return n_groups, self.stats.n_group_refresh % n_groups
 
     def _device_selector_params(self, n_context: int, n_candidates: int) -> dict | None:
         """The Selector to run in this slow step's graph, or None (the host scores the export): on when

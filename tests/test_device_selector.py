@@ -84,10 +84,11 @@ def test_device_selector_equals_numpy_reference(fixture, flash_attn, request):
             np.arange(rng.start, rng.stop), (L, len(rng))))
         if capture is not None:
             reference = selector.score(export, slice(0, L), export.candidate_cells(rng))  # [L, H, C] by position
-            scores = capture.seen["sfi_sel_score"]
+            # one score tensor per run of layers alike (layers stacked), [layer, H, n_cand] in candidate order
+            scores = np.concatenate([t.reshape(-1, H, cells.shape[1]) for t in capture.seen["sfi_sel_score"]])
             assert len(scores) == L
             for layer in range(L):
-                device = scores[layer].reshape(H, -1)  # [H, n_cand] in candidate order
+                device = scores[layer]
                 np.testing.assert_allclose(device, reference[layer][:, cells[layer] - rng.start], rtol=1e-5, atol=2e-5)
     finally:
         c.close()
@@ -263,3 +264,75 @@ def test_generation_with_the_device_selector_follows_the_numpy_selector(tmp_path
     assert cli.main(["bench", "-m", str(path), "--depths", "1024", "-n", "16", "--k-head", "64", "-t", "1",
                      "--device-selector", "on", "--json", str(out)]) == 0
     assert [r["device_selector"] for r in json.loads(out.read_text())] == [True]
+
+
+def test_refresh_of_one_group_of_layers(tiny):
+    """llama_sfi_set_refresh_layers: a slow step refreshes only the layers of its group (their selection is
+    the full step's) and hands back the other layers' own cells of the selection the view holds; without
+    such a selection (another own count) it has none."""
+    n_prompt = 500
+    (c, d), token = prefilled_pair(tiny, n_prompt, seed=6)
+    try:
+        full, part = SFINative(c.ctx), SFINative(d.ctx)
+        rng = CandidateRange.for_context(n_prompt + 1, N_SINK, N_RECENT)
+        params = SFISelector().device_params(K_HEAD, N_SINK, N_RECENT)
+        held = []
+        for ctx, sfi in ((c, full), (d, part)):
+            sfi.set_n_candidates(len(rng))
+            sfi.set_selector(params)
+            sfi.set_mode(sfi.SLOW)
+            ctx.decode(token)
+            sel = sfi.selection()
+            sink, recent = rng.sink_and_recent_cells(sfi.cell_pos())
+            sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
+            sfi.set_mode(sfi.FAST)
+            ctx.decode([11])
+            held.append(np.sort(sel, -1))
+        assert part.n_layers == 2
+        with pytest.raises(Exception):
+            part.set_refresh_layers(0, 0)
+        with pytest.raises(Exception):
+            part.set_refresh_layers(2, 2)
+        for group in (1, 0):
+            part.set_refresh_layers(2, group)
+            for ctx, sfi in ((c, full), (d, part)):
+                sfi.set_mode(sfi.SLOW)
+                ctx.decode([12 + group])
+            new_full, new_part = np.sort(full.selection(), -1), np.sort(part.selection(), -1)
+            assert overlap(new_part[group], new_full[group]) >= 0.99     # refreshed: the full step's cells
+            assert np.array_equal(new_part[1 - group], held[1][1 - group])  # kept: the view's own cells
+            assert not np.array_equal(new_full[1 - group], held[0][1 - group])  # (a refresh would change them)
+        # the view holds a selection of another size: nothing to keep, no selection
+        part.set_selection(held[1][:, :, :40], shared=np.arange(N_SINK))
+        part.set_mode(part.SLOW)
+        d.decode([20])
+        assert part.selection() is None
+        part.set_refresh_layers(1, 0)
+        part.set_mode(part.SLOW)
+        d.decode([21])
+        assert part.selection() is not None
+    finally:
+        c.close()
+        d.close()
+
+
+def test_generation_refreshing_one_group_of_layers_at_a_time():
+    """SFIConfig.refresh_layer_groups=2 with the device Selector: the first refresh renews every layer, the
+    later ones one group in turn; decoding runs sparse throughout."""
+    from sfi_gguf import SFILlama
+    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.random_model import random_model
+
+    llm = SFILlama(str(random_model("tiny-llama")), n_ctx=2048, n_threads=1)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(1).integers(3, 200, 1100)]
+        config = SFIConfig(k_head=128, n_recent=64, policy="fixed", fixed_period=8, n_candidates=512,
+                           device_selector=True, refresh_layer_groups=2)
+        out = llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True, sfi=config)
+        s = out.stats.sfi
+        assert s.n_slow >= 4 and s.n_device_selections == s.n_slow + s.n_bootstrap
+        assert s.n_group_refresh == s.n_slow and s.n_fell_back == 0 and s.n_fast > 0
+        with pytest.raises(ValueError):
+            SFIConfig(refresh_layer_groups=0)
+    finally:
+        llm.close()
