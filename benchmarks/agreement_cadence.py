@@ -60,6 +60,10 @@ def main() -> None:
                     help="fast steps before a new selection is loaded (the Selector runs in the background)")
     ap.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                     help="of the punctuation policy: slow when the top-1 probability falls below this (0: never)")
+    ap.add_argument("--device-selector", action="store_true",
+                    help="run the Selector in the slow step's graph (every cell of the range a candidate)")
+    ap.add_argument("--refresh-layer-groups", nargs="+", type=int, default=[1],
+                    help="with --device-selector: one row per value (a refresh renews one group of layers in turn)")
     ap.add_argument("--selectors", nargs="+", default=["sfi", "topk_mass"], choices=list(SELECTORS))
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1)
@@ -72,9 +76,11 @@ def main() -> None:
     commit = git_commit()
     policies = [("fixed", p) for p in args.periods] + ([("punctuation", 0)] if args.punctuation else [])
     rows = []
-    for selector in args.selectors:
+    device = dict(device_selector=True, n_candidates=10**9) if args.device_selector else {}
+    variants = [(selector, groups) for selector in args.selectors for groups in args.refresh_layer_groups]
+    for selector, groups in variants:
         for policy, period in policies:
-            config = SFIConfig(k_head=args.k_head, policy=policy, fixed_period=max(period, 1), min_gap=args.min_gap,
+            config = SFIConfig(refresh_layer_groups=groups, **device,k_head=args.k_head, policy=policy, fixed_period=max(period, 1), min_gap=args.min_gap,
                                refresh_interval=args.refresh_interval, sentence_offset=args.sentence_offset,
                                warmup_refresh=args.warmup_refresh, confidence_floor=args.confidence_floor,
                                selection_delay=args.selection_delay,
@@ -86,6 +92,7 @@ def main() -> None:
             fast[[i for i in s.slow_steps if i < res.n_steps]] = False
             fast[0] = False  # the first distribution comes from the prefill (dense)
             row = {"model": llm.model_path.name, "selector": selector, "selector_options": SELECTORS[selector], "policy": policy,
+                   "device_selector": bool(device), "refresh_layer_groups": groups, "seed": args.seed,
                    "period": period or None, "min_gap": args.min_gap, "refresh_interval": args.refresh_interval, "selection_delay": args.selection_delay,
                    "sentence_offset": args.sentence_offset, "warmup_refresh": args.warmup_refresh,
                    "confidence_floor": args.confidence_floor, "context": len(prompt), "k_head": args.k_head,
@@ -96,7 +103,7 @@ def main() -> None:
                    "per_32": res.per_window(32), "mean_refresh_overlap": round(s.mean_overlap, 3),
                    "seconds": round(time.perf_counter() - t0, 1), "commit": commit}
             rows.append(row)
-            print(f"{selector:16s} {policy:11s} period {period:3d}: top-1 {row['top1']:.3f} "
+            print(f"{selector:16s} groups {groups} {policy:11s} period {period:3d}: top-1 {row['top1']:.3f} "
                   f"(fast steps {row['top1_fast_steps']:.3f})  KL {row['mean_kl']:.3f} "
                   f"(fast {row['kl_fast_steps']:.3f})  slow {s.n_slow}  overlap {row['mean_refresh_overlap']}",
                   flush=True)

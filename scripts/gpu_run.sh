@@ -2,7 +2,8 @@
 # Runs ON the GPU machine (device tool), from the repo root, after scripts/make_gpu_bundle.sh here:
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
-#   diag, profile (export ops and candidate slow steps), cycle (refresh cycles: what a refresh costs, part by part), bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
+#   diag, profile (export ops and candidate slow steps), cycle (refresh cycles: what a refresh costs, part by part),
+#   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py), bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
 #   selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
@@ -89,6 +90,12 @@ if [[ " $stages " == *" cycle "* ]]; then
     python3 benchmarks/native_step_bench.py --model "$M" --ngl 99 --ctx ${SFI_CYCLE_CTX:-131072} --budget 2308 --steps 8 \
         --cycle ${SFI_CYCLE_M:-15} --cycle-candidates ${SFI_CYCLE_CANDIDATES:-8192 4096} ${SFI_CYCLE_ARGS:-} \
         --json "$OUT/native_step-h200-cycle-${SFI_CYCLE_CTX:-131072}${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load\|^llama\|^print_info"
+fi
+if [[ " $stages " == *" op-profile "* ]]; then
+    log "every node of a dense, slow (device Selector) and fast step, timed one by one (Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    python3 benchmarks/op_profile.py --model "$M" --ngl 99 --ctx ${SFI_CYCLE_CTX:-131072} --refresh-layer-groups 2 \
+        --json "$OUT/op_profile-h200-${SFI_CYCLE_CTX:-131072}.json" 2>&1 | grep -v "^load\|^llama\|^print_info"
 fi
 if [[ " $stages " == *" bench-delay "* ]]; then
     log "sfi-gguf bench at 128K: Selector on the decoding thread vs delayed selection"

@@ -53,7 +53,9 @@ class LlamaContext:
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
                  main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
-                 rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1):
+                 rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1, cb_eval=None):
+        """cb_eval: a llama_cpp.ggml_backend_sched_eval_callback, called for every graph node (profiling,
+        tests); kept alive with the context."""
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         llama_cpp._logger.set_verbose(verbose)
@@ -95,6 +97,10 @@ class LlamaContext:
         cparams.kv_unified = False  # one KV stream per sequence: what batched SFI needs
         cparams.n_threads = n_threads
         cparams.n_threads_batch = n_threads
+        self._cb_eval = cb_eval
+        if cb_eval is not None:
+            cparams.cb_eval = cb_eval
+            cparams.cb_eval_user_data = None
         if type_kv not in self.KV_TYPES:
             self.close()
             raise ValueError(f"type_kv must be one of {', '.join(self.KV_TYPES)}, got {type_kv!r}")

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Time every ggml node of one decode step (dense, SLOW with the device Selector, or FAST), without a profiler.
+
+llama.cpp's cb_eval callback, asked for every node, makes the scheduler compute the graph one node at a time
+and synchronize after each (ggml_backend_sched_compute_splits), so the time between two callbacks is one
+node's kernel(s) plus a fixed launch + sync + Python cost (printed: the median of the cheapest node kind).
+Nodes are summed by op and by name (a name without its layer suffix, e.g. "sfi_cells"); the Selector's own
+ops are unnamed, so they show up under their op (CONCAT, POOL_2D, TOP_K, ARGSORT, GET_ROWS, ...).
+
+    python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 131072          # on the GPU machine
+    python benchmarks/op_profile.py --model qwen3-0.6b --ctx 4096 --kinds slow       # CPU, small
+--model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sfi_gguf._native import LIB_PATH, llama_cpp  # noqa: E402  (loads the patched library)
+from sfi_gguf.context import LlamaContext  # noqa: E402
+from sfi_gguf.native import SFINative  # noqa: E402
+from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
+from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
+
+
+class ggml_tensor(ctypes.Structure):
+    """Head of struct ggml_tensor (ggml.h): enough to name a node seen by cb_eval."""
+    _fields_ = [("type", ctypes.c_int), ("buffer", ctypes.c_void_p), ("ne", ctypes.c_int64 * 4),
+                ("nb", ctypes.c_size_t * 4), ("op", ctypes.c_int), ("op_params", ctypes.c_int32 * 16),
+                ("flags", ctypes.c_int32), ("src", ctypes.c_void_p * 10), ("view_src", ctypes.c_void_p),
+                ("view_offs", ctypes.c_size_t), ("data", ctypes.c_void_p), ("name", ctypes.c_char * 64)]
+
+
+def _op_desc():
+    base = ctypes.CDLL(str(Path(LIB_PATH).parent / "libggml-base.so"))
+    base.ggml_op_desc.argtypes = [ctypes.c_void_p]
+    base.ggml_op_desc.restype = ctypes.c_char_p
+    return base.ggml_op_desc
+
+
+class NodeTimer:
+    """cb_eval that asks for every node while on, and records (op, name, shape, seconds) per node."""
+
+    def __init__(self):
+        self.on = False
+        self.nodes: list[tuple[str, str, tuple, float]] = []
+        self._t = 0.0
+        desc = _op_desc()
+
+        def cb(t_ptr, ask, _user):
+            if ask:
+                return self.on
+            now = time.perf_counter()
+            t = ctypes.cast(t_ptr, ctypes.POINTER(ggml_tensor)).contents
+            self.nodes.append((desc(t_ptr).decode(), t.name.decode(errors="replace"), tuple(t.ne), now - self._t))
+            self._t = time.perf_counter()
+            return True
+
+        self.fn = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+    def start(self):
+        self.nodes = []
+        self.on = True
+        self._t = time.perf_counter()
+
+    def stop(self):
+        self.on = False
+        return self.nodes
+
+
+def base_name(name: str) -> str:
+    head, _, tail = name.rpartition("-")
+    return head if tail.isdigit() and head else name
+
+
+def summary(nodes, top: int) -> dict:
+    by_op, by_name = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
+    for op, name, _, s in nodes:
+        by_op[op][0] += s
+        by_op[op][1] += 1
+        by_name[base_name(name) or "(unnamed)"][0] += s
+        by_name[base_name(name) or "(unnamed)"][1] += 1
+    per_kind = defaultdict(list)
+    for op, _, _, s in nodes:
+        per_kind[op].append(s)
+    floor = min(statistics.median(v) for v in per_kind.values())
+    order = lambda d: sorted(d.items(), key=lambda kv: -kv[1][0])  # noqa: E731
+    return {
+        "n_nodes": len(nodes), "total_ms": sum(n[3] for n in nodes) * 1e3, "per_node_floor_ms": floor * 1e3,
+        "by_op": [{"op": k, "ms": v[0] * 1e3, "n": v[1]} for k, v in order(by_op)],
+        "by_name": [{"name": k, "ms": v[0] * 1e3, "n": v[1]} for k, v in order(by_name)],
+        "top_nodes": [{"op": op, "name": name, "ne": list(ne), "ms": s * 1e3}
+                      for op, name, ne, s in sorted(nodes, key=lambda n: -n[3])[:top]],
+    }
+
+
+def print_summary(kind: str, s: dict, top: int) -> None:
+    print(f"\n== {kind}: {s['n_nodes']} nodes, {s['total_ms']:.1f} ms with one sync per node "
+          f"(fixed cost per node ~{s['per_node_floor_ms']:.3f} ms)")
+    print("  by op:   " + ", ".join(f"{r['op']} {r['ms']:.2f} ({r['n']})" for r in s["by_op"][:16]))
+    print("  by name: " + ", ".join(f"{r['name']} {r['ms']:.2f} ({r['n']})" for r in s["by_name"][:16]))
+    for r in s["top_nodes"][:top]:
+        print(f"  {r['ms']:8.3f} ms  {r['op']:<14s} {r['name']:<28s} {r['ne']}")
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-4b", help=f"GGUF path or one of {', '.join(SHAPES)}")
+    ap.add_argument("--ctx", type=int, default=32768)
+    ap.add_argument("--ngl", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--no-flash-attn", action="store_true")
+    ap.add_argument("--k-head", type=int, default=2048)
+    ap.add_argument("--n-candidates", type=int, default=8192)
+    ap.add_argument("--refresh-layer-groups", type=int, default=1)
+    ap.add_argument("--kinds", nargs="+", default=["dense", "slow", "fast"], choices=["dense", "slow", "fast"])
+    ap.add_argument("--repeats", type=int, default=2, help="profiled steps per kind (the last is reported)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--json", default="", help="write the summaries here")
+    args = ap.parse_args(argv)
+
+    path = Path(args.model) if Path(args.model).suffix == ".gguf" else random_model(args.model)
+    timer = NodeTimer()
+    lc = LlamaContext(path, n_ctx=args.ctx + 64, n_gpu_layers=args.ngl, n_threads=args.threads or None,
+                      n_batch=2048, flash_attn=not args.no_flash_attn, verbose=False, cb_eval=timer.fn)
+    rng = np.random.default_rng(0)
+    t0 = time.perf_counter()
+    while len(lc.tokens) < args.ctx:
+        k = min(2048, args.ctx - len(lc.tokens))
+        lc.decode([int(t) for t in rng.integers(10, min(lc.n_vocab, 30000), k)])
+    print(f"model {path}, context {args.ctx} filled in {time.perf_counter() - t0:.1f} s", flush=True)
+
+    n_sink, n_recent = 4, 256
+    sfi = SFINative(lc.ctx, n_sel_max=n_sink + args.k_head + n_recent, n_tail_max=64)
+    out = {"model": str(path), "ctx": args.ctx, "ngl": args.ngl, "k_head": args.k_head,
+           "n_candidates": args.n_candidates, "refresh_layer_groups": args.refresh_layer_groups, "kinds": {}}
+
+    def profile(kind, before):
+        base = len(lc.tokens)
+        for _ in range(args.repeats):
+            before()
+            timer.start()
+            lc.decode_one(int(rng.integers(10, 30000)))
+            llama_cpp.llama_get_logits_ith(lc.ctx, -1)
+            nodes = timer.stop()
+        lc.truncate(base)
+        out["kinds"][kind] = s = summary(nodes, args.top)
+        print_summary(kind, s, args.top)
+
+    if "dense" in args.kinds:
+        profile("dense", lambda: sfi.set_mode(sfi.DENSE))
+    if "slow" in args.kinds or "fast" in args.kinds:
+        sfi.set_n_candidates(args.n_candidates)
+        sfi.set_selector(SFISelector().device_params(args.k_head, n_sink, n_recent))
+
+        def slow():
+            sfi.set_refresh_layers(1, 0)
+            sfi.set_mode(sfi.SLOW)
+        if "slow" in args.kinds:
+            profile("slow", slow)
+        if args.refresh_layer_groups > 1 and "slow" in args.kinds:
+            # a group refresh needs a selection in the view: load the full one first
+            slow()
+            lc.decode_one(5)
+            load(sfi, lc, n_sink, n_recent)
+
+            def group_slow():
+                sfi.set_refresh_layers(args.refresh_layer_groups, 1)
+                sfi.set_mode(sfi.SLOW)
+            profile("slow_group", group_slow)
+            sfi.set_refresh_layers(1, 0)
+        if "fast" in args.kinds:
+            slow()
+            lc.decode_one(5)
+            load(sfi, lc, n_sink, n_recent)
+            lc.decode_one(6)  # the gather
+            profile("fast", lambda: None)
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2))
+        print(f"wrote {args.json}")
+    sfi.free()
+    lc.close()
+    return out
+
+
+def load(sfi: SFINative, lc: LlamaContext, n_sink: int, n_recent: int) -> None:
+    """The last slow step's device selection into the view, with the sink and recent cells shared."""
+    sink, recent = CandidateRange.for_context(len(lc.tokens), n_sink, n_recent).sink_and_recent_cells(sfi.cell_pos())
+    sfi.set_selection(sfi.selection(), shared=np.concatenate([sink, recent]))
+    sfi.set_mode(sfi.FAST)
+
+
+if __name__ == "__main__":
+    main()
