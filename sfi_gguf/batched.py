@@ -235,8 +235,8 @@ class BatchedDecoder:
     @staticmethod
     def _groups(planned: dict[str, list[_Slot]]):
         """(kind, slots) per llama_decode, in GROUP_ORDER. Slow sequences that want different device
-        candidate counts, device Selectors or groups of layers to refresh (short and long contexts) decode apart: each is one per
-        decode, and a sequence must export what it would export alone."""
+        candidate counts, device Selectors or groups of layers to refresh (short and long contexts)
+        decode apart: each is one per decode, and a sequence must export what it would export alone."""
         for kind in GROUP_ORDER:
             if kind != "slow":
                 if planned[kind]:
