@@ -212,7 +212,7 @@ class SFIStepper:
     def _layers_to_refresh(self, device_params: dict | None) -> tuple[int, int]:
         """(n_groups, group) of the device Selector: one group of layers in turn once the view holds a
         selection of k_head cells per row for the other layers to keep (`refresh_layer_groups`)."""
-        n_groups = self.config.refresh_layer_groups
+        n_groups = min(self.config.refresh_layer_groups, self.native.n_layers)  # no empty group
         if (n_groups <= 1 or device_params is None or not self._sparse or self._selected is None
                 or self._selected.shape[-1] != device_params["k_head"]):
             return 1, 0

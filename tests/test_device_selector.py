@@ -332,6 +332,10 @@ def test_generation_refreshing_one_group_of_layers_at_a_time():
         s = out.stats.sfi
         assert s.n_slow >= 4 and s.n_device_selections == s.n_slow + s.n_bootstrap
         assert s.n_group_refresh == s.n_slow and s.n_fell_back == 0 and s.n_fast > 0
+        # more groups than the model's 2 layers: as many groups as layers
+        out = llm.generate(prompt, max_tokens=40, temperature=0, ignore_eos=True,
+                           sfi=config.replace(refresh_layer_groups=5))
+        assert out.stats.sfi.n_group_refresh == out.stats.sfi.n_slow >= 4
         with pytest.raises(ValueError):
             SFIConfig(refresh_layer_groups=0)
     finally:
