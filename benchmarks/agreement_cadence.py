@@ -80,7 +80,8 @@ def main() -> None:
     variants = [(selector, groups) for selector in args.selectors for groups in args.refresh_layer_groups]
     for selector, groups in variants:
         for policy, period in policies:
-            config = SFIConfig(refresh_layer_groups=groups, **device,k_head=args.k_head, policy=policy, fixed_period=max(period, 1), min_gap=args.min_gap,
+            config = SFIConfig(k_head=args.k_head, policy=policy, fixed_period=max(period, 1), min_gap=args.min_gap,
+                               refresh_layer_groups=groups, **device,
                                refresh_interval=args.refresh_interval, sentence_offset=args.sentence_offset,
                                warmup_refresh=args.warmup_refresh, confidence_floor=args.confidence_floor,
                                selection_delay=args.selection_delay,

@@ -346,9 +346,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device-selector", choices=["auto", "on", "off"], default="auto",
                    help="run the Selector in the slow step's graph (auto: with offloaded layers; see "
                         "SFIConfig.device_selector)")
-    p.add_argument("--refresh-layer-groups", type=int, default=None,
-                   help="a device-Selector refresh renews one of this many groups of layers in turn (default: "
-                        "SFIConfig's; see SFIConfig.refresh_layer_groups)")
+    p.add_argument("--refresh-layer-groups", type=int, default=SFIConfig.refresh_layer_groups,
+                   help="a device-Selector refresh renews one of this many groups of layers in turn (see "
+                        "SFIConfig.refresh_layer_groups)")
     p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
     p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
@@ -376,8 +376,7 @@ def _cmd_bench(args) -> int:
                        min_context=args.min_context, refresh_interval=args.refresh_interval,
                        confidence_floor=args.confidence_floor,
                        device_selector={"auto": None, "on": True, "off": False}[args.device_selector],
-                       n_candidates=args.n_candidates,
-                       **({} if args.refresh_layer_groups is None else {"refresh_layer_groups": args.refresh_layer_groups}))
+                       n_candidates=args.n_candidates, refresh_layer_groups=args.refresh_layer_groups)
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
