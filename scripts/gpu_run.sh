@@ -3,7 +3,7 @@
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
 #   diag, profile (export ops and candidate slow steps), cycle (refresh cycles: what a refresh costs, part by part;
-#   after a build, an A/B of ggml-cuda's graph keys: GGML_CUDA_GRAPH_KEY_SIZE=1 SFI_BENCH_TAG=-keysize ... cycle),
+#   SFI_CYCLE_CTX, SFI_CYCLE_M, SFI_CYCLE_CANDIDATES, SFI_CYCLE_ARGS, SFI_BENCH_TAG),
 #   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
 #   selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),

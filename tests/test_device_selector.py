@@ -14,10 +14,20 @@ import pytest
 from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
-from test_native import NGL, Capture, Ctx, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
+from sfi_gguf.random_model import random_model
+from test_native import NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
 FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
+
+
+@pytest.fixture(scope="module")
+def tiny_deep():
+    """70 layers of 8 query heads: the device takes the softmaxes of 32 layers' scores at a time (256 rows),
+    so three stacks, the last one short."""
+    m = Model(random_model("tiny-llama", n_layer=70))
+    yield m
+    m.close()
 
 
 def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True):
@@ -49,7 +59,7 @@ def overlap(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen3"])  # 4 KV heads (cross-head exclusivity) and 2
+@pytest.mark.parametrize("fixture", ["tiny", "tiny_qwen3", "tiny_deep"])  # 4 KV heads (cross-head exclusivity), 2, 70 layers
 def test_device_selector_equals_numpy_reference(fixture, flash_attn, request):
     model = request.getfixturevalue(fixture)
     n_prompt = 700
