@@ -95,14 +95,12 @@ def base_name(name: str) -> str:
 
 def summary(nodes, top: int) -> dict:
     by_op, by_name = defaultdict(lambda: [0.0, 0]), defaultdict(lambda: [0.0, 0])
-    for op, name, _, s in nodes:
-        by_op[op][0] += s
-        by_op[op][1] += 1
-        by_name[base_name(name) or "(unnamed)"][0] += s
-        by_name[base_name(name) or "(unnamed)"][1] += 1
     per_kind = defaultdict(list)
-    for op, _, _, s in nodes:
+    for op, name, _, s in nodes:
         per_kind[op].append(s)
+        for total in (by_op[op], by_name[base_name(name) or "(unnamed)"]):
+            total[0] += s
+            total[1] += 1
     floor = min(statistics.median(v) for v in per_kind.values())
     order = lambda d: sorted(d.items(), key=lambda kv: -kv[1][0])  # noqa: E731
     return {

@@ -56,7 +56,7 @@ class SFIConfig:
     in group i % refresh_layer_groups) and keeps the other layers' cells, so that a slow step scores
     1/refresh_layer_groups of the layers: the reference's `refresh_layer_groups` (2 in its throughput
     runs). The first refresh of a generation renews every layer. 1: every refresh renews every layer.
-    2 made the H200's 128K slow steps 22% cheaper (2.30x -> 2.44x with the paper's trigger) but the
+    2 made the H200's 128K slow steps cheaper (2.42x -> 2.60x with the paper's trigger) but the
     kept half is staler: teacher-forced agreement at 4K fell from 0.953 to 0.824 (BENCHMARKS.md), so
     it is off by default."""
 
