@@ -641,6 +641,52 @@ def test_candidate_export_matches_full_export(tiny, flash_attn):
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_candidate_key_norms_follow_the_cache(tiny, flash_attn):
+    """The key norms a slow step reads at its candidates are kept per cell and taken only for the cells written
+    since: after more tokens (cells below the last slow step's padded range, and past it) and after an edit that
+    rewrites cells, they still equal the norms of a full export of the same cache."""
+    P = 200
+    c = Ctx(tiny, flash_attn=flash_attn)
+    d = Ctx(tiny, flash_attn=flash_attn)
+    try:
+        full, cand = SFINative(c.ctx), SFINative(d.ctx)
+        cand.set_n_candidates(10**6)  # every cell a candidate: every norm is compared
+
+        def both(tokens, pos0=None, mode=SFINative.DENSE):
+            for x, sfi in ((c, full), (d, cand)):
+                sfi.set_mode(mode)
+                x.decode(tokens, pos0)
+
+        def check():
+            cells = cand.candidates()
+            assert cells is not None and full.candidates() is None
+            live = full.cell_pos() >= 0
+            for i in range(cells.shape[0]):
+                keep = live[cells[i]]
+                assert keep.sum() == live.sum()
+                np.testing.assert_allclose(cand.key_norms()[i][:, keep], full.key_norms()[i][:, cells[i][keep]],
+                                           rtol=1e-5, atol=1e-6)
+
+        toks = tokens_for(tiny, P + 200, seed=12)
+        both(toks[:P])
+        both(toks[P:P + 1], mode=SFINative.SLOW)  # the first slow step takes every cell's norms
+        check()
+        both(toks[P + 1:P + 41])                  # cells below the padded range it took, and past it
+        both(toks[P + 41:P + 42], mode=SFINative.SLOW)
+        check()
+        both(toks[P + 42:P + 43], mode=SFINative.SLOW)  # nothing new but its own cell
+        check()
+        c.seq_rm(150, -1)
+        d.seq_rm(150, -1)
+        both(toks[P + 50:P + 110], pos0=150)      # an edit: cells rewritten with other keys
+        both(toks[P + 110:P + 111], pos0=210, mode=SFINative.SLOW)
+        check()
+    finally:
+        c.close()
+        d.close()
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 def test_slow_then_fast_cycle(tiny, flash_attn):
     """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected."""
     P = 130
