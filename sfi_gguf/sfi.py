@@ -188,9 +188,10 @@ class SFIStepper:
 
     def _note_logits(self) -> None:
         """Read what the policy needs from the step's logits while they are there (a batched loop's next
-        llama_decode overwrites them): the top-1 probability, on sparse steps only (one softmax)."""
+        llama_decode overwrites them): the top-1 probability, on sparse steps where the policy would read it
+        (one softmax over the vocabulary)."""
         self._top1 = (top1_probability(self.ctx.last_logits())
-                      if self._sparse and self.policy.reads_confidence else None)
+                      if self._sparse and self.policy.wants_confidence() else None)
 
     def annotate(self, stats) -> None:
         self._drop_pending()

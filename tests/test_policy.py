@@ -251,6 +251,22 @@ def test_low_confidence_forces_a_slow_step_after_the_minimum_gap():
     assert policy.confidence == 1.0  # a new text starts sure
 
 
+def test_confidence_is_wanted_only_past_the_minimum_gap_and_counts_for_one_token():
+    policy = punctuation(min_gap=4, warmup_refresh=0, confidence_floor=0.5, refresh_interval=64)
+    wanted = []
+    for _ in range(6):
+        wanted.append(policy.wants_confidence())
+        policy.on_token(ID[" is"])
+    assert wanted == [False, False, False, True, True, True]  # the 4th token is the first past the gap
+    policy.observe_confidence(0.1)
+    assert policy.on_token(ID[" is"]) and policy.reason == "confidence"
+    assert not policy.wants_confidence()  # a refresh: inside the gap again
+    policy.observe_confidence(0.1)        # read by nothing (inside the gap) ...
+    for _ in range(6):
+        assert not policy.on_token(ID[" is"])  # ... and not kept for the tokens after it
+    assert not punctuation(confidence_floor=0.0).wants_confidence()
+
+
 def test_top1_probability():
     assert top1_probability(np.zeros(4)) == pytest.approx(0.25)
     assert top1_probability(np.array([0.0, 100.0, 0.0], np.float32)) == pytest.approx(1.0)

@@ -45,9 +45,14 @@ def test_budget_covering_the_whole_context_equals_dense(llm, prompt):
     assert s.n_bootstrap == 1 and s.n_fast > 0 and s.n_fell_back == 0
 
 
-def test_statistics_add_up(llm, prompt):
+def test_statistics_add_up(llm, prompt, monkeypatch):
+    import sfi_gguf.sfi as sfi_module
+
+    softmaxes = []  # the confidence's softmax over the vocabulary runs only where the policy reads it
+    monkeypatch.setattr(sfi_module, "top1_probability", lambda logits: softmaxes.append(1) or 0.9)
     out = _generate(llm, prompt, SFIConfig(k_head=512), n=96)
     s = out.stats.sfi
+    assert 0 < len(softmaxes) < s.n_fast  # every step's logits had one before (n_fast + n_slow + 1)
     steps = out.stats.n_generated - 1  # the first token comes from the prefill's logits
     assert s.n_fast + s.n_slow + s.n_dense == steps
     assert s.n_dense == 0 and s.n_bootstrap == 1 and s.n_fell_back == 0
