@@ -335,6 +335,49 @@ def test_bad_selections(tiny):
         c.close()
 
 
+def test_large_selection_errors_name_the_first_bad_row_and_the_overlap_is_exact():
+    """A selection of 36 layers x 8 heads x 512 cells: the error returned is the first bad row's (whatever
+    comes later), a failed load keeps the previous selection, and the overlap with the previous one is exact."""
+    m = Model(random_model("tiny-llama", n_layer=36, n_head=8, n_head_kv=8, head_dim=16, n_embd=128, n_ff=128))
+    c = Ctx(m, n_ctx=1024, n_batch=1024)
+    try:
+        c.decode(tokens_for(m, 700))
+        sfi = SFINative(c.ctx, n_sel_max=600, n_tail_max=8)
+        L, H, n = sfi.n_layers, sfi.n_head_kv, 512
+        rng = np.random.default_rng(3)
+        first = np.stack([rng.permutation(690)[:n] for _ in range(L * H)]).reshape(L, H, n).astype(np.int32)
+        second = np.stack([rng.permutation(690)[:n] for _ in range(L * H)]).reshape(L, H, n).astype(np.int32)
+        shared = np.arange(690, 700, dtype=np.int32)
+        sfi.set_selection(first, shared=shared)
+        sfi.set_selection(second, shared=shared)
+        hits = sum(len(np.intersect1d(first[i, h], second[i, h])) for i in range(L) for h in range(H))
+        assert sfi.selection_overlap() == pytest.approx(hits / (L * H * n), rel=1e-6)
+
+        def code(sel):
+            with pytest.raises(SFIError) as e:
+                sfi.set_selection(sel, shared=shared)
+            return e.value.code
+
+        def bad(**rows):  # row r = layer * H + head
+            sel = second.copy()
+            for kind, r in rows.items():
+                i, h = divmod(r, H)
+                if kind.startswith("dup"):
+                    sel[i, h, 9] = sel[i, h, 4]
+                else:
+                    sel[i, h, 9] = 700  # an empty cell
+            return sel
+
+        assert code(bad(dup=1)) == native.ERR_DUPLICATE
+        assert code(bad(rng=3, dup=6)) == native.ERR_RANGE
+        assert code(bad(dup=4, rng=7)) == native.ERR_DUPLICATE
+        assert code(bad(rng=L * H - 1)) == native.ERR_RANGE
+        assert sfi.view_valid and sfi.selection_overlap() == pytest.approx(hits / (L * H * n), rel=1e-6)
+    finally:
+        c.close()
+        m.close()
+
+
 # -- FAST steps ------------------------------------------------------------------------------------
 
 # flash attention off: the cache holds V transposed, the view does not (and the CPU runs the plain,
