@@ -49,7 +49,8 @@ def test_statistics_add_up(llm, prompt, monkeypatch):
     import sfi_gguf.sfi as sfi_module
 
     softmaxes = []  # the confidence's softmax over the vocabulary runs only where the policy reads it
-    monkeypatch.setattr(sfi_module, "top1_probability", lambda logits: softmaxes.append(1) or 0.9)
+    real = sfi_module.top1_probability
+    monkeypatch.setattr(sfi_module, "top1_probability", lambda logits: softmaxes.append(1) or real(logits))
     out = _generate(llm, prompt, SFIConfig(k_head=512), n=96)
     s = out.stats.sfi
     assert 0 < len(softmaxes) < s.n_fast  # every step's logits had one before (n_fast + n_slow + 1)
