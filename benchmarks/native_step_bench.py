@@ -91,7 +91,8 @@ class Bench:
         return times
 
 
-def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, groups: int = 1) -> dict:
+def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, groups: int = 1,
+                 load: str = "native") -> dict:
     """Refresh cycles as SFIStepper runs them: a slow step whose graph runs the Selector, its selection
     loaded with the sink and recent cells shared, then args.cycle fast steps. The refresh's cost is the
     cycle's time less args.cycle + 1 steady fast steps (fast_ms). groups > 1: after the warm-up cycle,
@@ -113,9 +114,12 @@ def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, gr
         sel = sfi.selection()
         if sel is None:
             raise SystemExit("the slow step ran no device Selector")
-        pos = sfi.cell_pos()
-        sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
-        sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
+        if load == "native":  # as SFIStepper does
+            sfi.load_selection()
+        else:  # the host's way before API v8: sink and recent cells from the positions, the selection checked again
+            pos = sfi.cell_pos()
+            sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
+            sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
         sfi.set_mode(sfi.FAST)
         t_host = time.perf_counter() - t1
         fast = [b.step() for _ in range(args.cycle)]
@@ -136,7 +140,8 @@ def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, gr
     out["steady_slow"] = steady_slow
     overhead = out["cycle"]["median_ms"] - (args.cycle + 1) * fast_ms
     out["refresh_overhead_ms"] = overhead
-    print(f"cycle @ {b.n_past}, {n_cand} candidates, {groups} group(s) of layers, slow + {args.cycle} fast: {out['cycle']['median_ms']:.1f} ms = "
+    print(f"cycle @ {b.n_past}, {n_cand} candidates, {groups} group(s) of layers, {load} load, slow + {args.cycle} fast: "
+          f"{out['cycle']['median_ms']:.1f} ms = "
           f"slow {out['slow']['median_ms']:.1f} + host {out['host']['median_ms']:.1f} + first fast "
           f"{out['fast_1']['median_ms']:.2f} + second {out['fast_2']['median_ms']:.2f} + third "
           f"{out['fast_3']['median_ms']:.2f} + the rest at "
@@ -165,6 +170,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--cycle-candidates", type=int, nargs="*", default=[8192],
                     help="candidate cells per layer of the cycles' slow steps (one series each)")
     ap.add_argument("--cycles", type=int, default=6, help="cycles per series (after one warm-up cycle)")
+    ap.add_argument("--cycle-load", nargs="+", default=["native"], choices=["native", "host"],
+                    help="how a cycle loads the slow step's selection: llama_sfi_seq_load_selection, or the host's "
+                         "set_selection with sink and recent cells (one series each)")
     ap.add_argument("--refresh-layer-groups", type=int, nargs="*", default=[1],
                     help="cycle series whose slow steps refresh one of this many groups of layers in turn")
     ap.add_argument("--json", default="native_step_bench.json", help="output file ('' = none)")
@@ -239,8 +247,9 @@ def main(argv=None) -> dict:
 
     for n_cand in (args.cycle_candidates if args.cycle else []):
         for groups in args.refresh_layer_groups:
-            key = f"cycle_{n_cand}" + (f"_groups{groups}" if groups > 1 else "")
-            res[key] = cycle_series(b, sfi, args, n_cand, res["fast"]["median_ms"], groups)
+            for load in args.cycle_load:
+                key = f"cycle_{n_cand}" + (f"_groups{groups}" if groups > 1 else "") + ("_host_load" if load == "host" else "")
+                res[key] = cycle_series(b, sfi, args, n_cand, res["fast"]["median_ms"], groups, load)
 
     sfi.set_mode(sfi.DENSE)
     b.truncate(args.budget)

@@ -79,6 +79,9 @@ class SequenceNative:
     def set_selection(self, cells, shared=None) -> None:
         self.base.set_selection(cells, seq=self.seq, shared=shared)
 
+    def load_selection(self) -> None:
+        self.base.load_selection(self.seq)
+
     def selection_overlap(self):
         return self.base.selection_overlap(self.seq)
 

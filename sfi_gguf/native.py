@@ -37,6 +37,7 @@ ERR_DUPLICATE = -4
 ERR_COUNT = -5
 ERR_UNSUPPORTED = -6
 ERR_ALLOC = -7
+ERR_NO_SELECTION = -8
 
 _ERROR_TEXT = {
     ERR_NOT_INIT: "SFI is not initialized on this context (llama_sfi_init not called, or freed)",
@@ -46,6 +47,7 @@ _ERROR_TEXT = {
     ERR_COUNT: "n_sel outside [1, n_sel_max], or the selection shape does not match [n_layers, n_head_kv]",
     ERR_UNSUPPORTED: "unsupported context (several sequences in a unified KV cache, or an unsupported model/cache)",
     ERR_ALLOC: "could not allocate the compact buffers",
+    ERR_NO_SELECTION: "no slow-step selection to load (none ran, or the sequence was decoded or edited since)",
 }
 
 
@@ -134,6 +136,8 @@ if HAS_SFI:
     _seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
     # the device Selector refreshes a group of layers (API v7)
     _set_refresh_layers = _bind("llama_sfi_set_refresh_layers", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+    # a slow step's own selection loaded without a round trip through Python (API v8)
+    _seq_load_selection = _bind("llama_sfi_seq_load_selection", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
 
 
 def _check(func: str, rc: int) -> int:
@@ -234,6 +238,12 @@ class SFINative:
             rc = _set_selection_shared(self.ctx, seq, a.ctypes.data_as(_i32p), a.shape[0], a.shape[1], a.shape[2],
                                        b.ctypes.data_as(_i32p), len(b))
         _check("llama_sfi_set_selection", rc)
+
+    def load_selection(self, seq: int = 0) -> None:
+        """Load the selection of seq's last slow step (`selection()`) with the sink and the recent window of the
+        device Selector's range shared by every row, as `set_selection(selection(), shared=...)` would, without
+        the host checking its cells again; call it before seq's next decode."""
+        _check("llama_sfi_seq_load_selection", _seq_load_selection(self.ctx, seq))
 
     def selection_overlap(self, seq: int = 0) -> float | None:
         """Share of the own (not shared) cells of seq's selection that the one before it had, per (layer,

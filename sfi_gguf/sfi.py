@@ -247,14 +247,14 @@ class SFIStepper:
         """
         t0 = time.perf_counter()
         n_context = len(self.ctx.tokens)
-        positions = self._positions()
         selected = self.native.selection()  # None unless the slow step ran the Selector in its graph
-        if selected is not None:  # nothing to score here (rows in any order)
+        if selected is not None:  # nothing to score here: the native side loads it with its sink and recent cells
             self.policy.note_refresh()
-            self._use_selection(selected, positions)
+            self._use_selection(selected, load=self.native.load_selection)
             self.stats.n_device_selections += 1
             self.stats.t_selector += time.perf_counter() - t0
             return
+        positions = self._positions()
         mass = self.native.mass()
         if mass is None:  # the slow step could not export (should not happen): stay dense until the next one
             self.stats.n_fell_back += 1
@@ -286,11 +286,13 @@ class SFIStepper:
         selected = self.selector.select(export, candidates, k_head)
         return selected, time.perf_counter() - t0
 
-    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None) -> None:
+    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None, load=None) -> None:
+        """load: how to load it (default: with the sink and recent cells of `positions`, checked by the native
+        side)."""
         had_previous = self._selected is not None
         self._selected = selected
         self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
-        self._load_memory(selected, positions)
+        self._load_memory(selected, positions, load=load)
         # support stability, counted by the native side while it checks the selection
         overlap = self.native.selection_overlap() if had_previous else None
         if overlap is not None:
@@ -327,14 +329,17 @@ class SFIStepper:
         self._load_memory(self._selected if self._selected is not None else self._no_selection())
 
     def _load_memory(self, selected: np.ndarray, positions: np.ndarray | None = None,
-                     candidates: CandidateRange | None = None) -> None:
-        n_context = len(self.ctx.tokens)
-        if positions is None:
-            positions = self._positions()
-        if candidates is None:
-            candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
-        sink, recent = candidates.sink_and_recent_cells(positions)
-        self.native.set_selection(selected, shared=np.concatenate([sink, recent]))
+                     candidates: CandidateRange | None = None, load=None) -> None:
+        if load is not None:
+            load()
+        else:
+            n_context = len(self.ctx.tokens)
+            if positions is None:
+                positions = self._positions()
+            if candidates is None:
+                candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+            sink, recent = candidates.sink_and_recent_cells(positions)
+            self.native.set_selection(selected, shared=np.concatenate([sink, recent]))
         self.native.set_mode(SFINative.FAST)
         self._sparse = True
         self._tail = 0

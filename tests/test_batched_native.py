@@ -161,6 +161,45 @@ def test_batched_slow_step_exports_per_sequence(tiny, n_candidates, flash_attn):
             c.close()
 
 
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_batched_slow_step_loads_each_sequence_s_selection(tiny, flash_attn):
+    """A slow batch of every sequence with the device Selector: load_selection(seq) gives each sequence the memory
+    set_selection(selection(seq), shared=its sink + recent cells) gives it (bit-identical fast steps after)."""
+    from sfi_gguf.selector import CandidateRange, SFISelector
+
+    n_sink, n_recent, k_head = 4, 32, 48
+    a, b = MultiCtx(tiny, flash_attn=flash_attn), MultiCtx(tiny, flash_attn=flash_attn)
+    try:
+        prefill_all(a, tiny)
+        prefill_all(b, tiny)
+        host = SFINative(a.ctx, n_sel_max=n_sink + k_head + n_recent, n_tail_max=64)
+        loads = SFINative(b.ctx, n_sel_max=n_sink + k_head + n_recent, n_tail_max=64)
+        for sfi in (host, loads):
+            sfi.set_n_candidates(64)
+            sfi.set_selector(SFISelector().device_params(k_head, n_sink, n_recent))
+            sfi.set_mode(SFINative.SLOW)
+        a.step({s: 9 for s in range(N_SEQ)})
+        b.step({s: 9 for s in range(N_SEQ)})
+        for s in range(N_SEQ):
+            selected = host.selection(s)
+            assert np.array_equal(selected, loads.selection(s)), s
+            rng = CandidateRange.for_context(a.n_past[s], n_sink, n_recent)
+            sink, recent = rng.sink_and_recent_cells(host.cell_pos(s))
+            host.set_selection(selected, seq=s, shared=np.concatenate([sink, recent]))
+            loads.load_selection(s)
+        for sfi in (host, loads):
+            sfi.set_mode(SFINative.FAST)
+        for step in range(6):
+            tokens = {s: 20 + step + s for s in range(N_SEQ) if (step + s) % 3}  # not every sequence every step
+            la, lb = a.step(tokens), b.step(tokens)
+            for s in tokens:
+                assert loads.status(s) & native.STATUS_LAST_FAST, (step, s)
+                assert np.array_equal(la[s], lb[s]), (step, s)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_mixed_slow_and_fast_sequences(tiny):
     """Per step some sequences slow (one SLOW llama_decode), the others fast (one FAST llama_decode, not
     necessarily consecutive sequence ids); a slow sequence reloads all its cells ordered by mass."""

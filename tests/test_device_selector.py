@@ -246,6 +246,60 @@ def test_shared_cells_and_overlap(tiny):
         d.close()
 
 
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_a_slow_step_loads_its_own_selection(tiny, flash_attn):
+    """load_selection() after a slow step with the device Selector loads what set_selection(selection(), shared=
+    sink + recent of the range) loads: the same slots (bit-identical fast steps) and the same overlap; it refuses
+    when there is no slow-step selection to load (a decode or an edit since, or no Selector in the step)."""
+    from sfi_gguf.native import SFIError
+
+    n_prompt = 600
+    (c, d), token = prefilled_pair(tiny, n_prompt, seed=6, flash_attn=flash_attn)
+    try:
+        host, native = SFINative(c.ctx), SFINative(d.ctx)
+        toks = tokens_for(tiny, 40, seed=7)
+        for sfi in (host, native):
+            sfi.set_n_candidates(256)
+            sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
+        overlaps = []
+        for cycle, slow_token in enumerate((token[0], toks[10])):
+            for sfi in (host, native):
+                sfi.set_mode(sfi.SLOW)
+            c.decode([slow_token])
+            d.decode([slow_token])
+            selected = host.selection()
+            assert np.array_equal(selected, native.selection())
+            rng = CandidateRange.for_context(c.n_past, N_SINK, N_RECENT)
+            sink, recent = rng.sink_and_recent_cells(host.cell_pos())
+            assert len(recent) == N_RECENT and c.n_past - 1 in host.cell_pos()[recent]  # the slow token's own cell
+            host.set_selection(selected, shared=np.concatenate([sink, recent]))
+            native.load_selection()
+            overlaps.append((host.selection_overlap(), native.selection_overlap()))
+            for sfi in (host, native):
+                sfi.set_mode(sfi.FAST)
+            for t in toks[cycle * 20:cycle * 20 + 8]:
+                c.decode([t])
+                d.decode([t])
+                assert native.last_fast
+                assert np.array_equal(c.logits(), d.logits())
+        assert overlaps[0] == (None, None) and overlaps[1][0] is not None and overlaps[1][0] == overlaps[1][1]
+
+        with pytest.raises(SFIError):  # a decode since the slow step
+            native.load_selection()
+        native.set_mode(native.SLOW)
+        d.decode([toks[30]])
+        d.seq_rm(d.n_past - 1, -1)  # an edit since
+        with pytest.raises(SFIError):
+            native.load_selection()
+        native.set_selector(None)
+        d.decode([toks[31]], pos0=d.n_past - 1)  # a slow step without the Selector
+        with pytest.raises(SFIError):
+            native.load_selection()
+    finally:
+        c.close()
+        d.close()
+
+
 def test_generation_with_the_device_selector_follows_the_numpy_selector(tmp_path):
     """End to end (SFILlama, greedy): with every cell of the range a candidate, the device Selector makes the
     selections the numpy one makes, so the tokens and slow steps agree; every refresh ran on the device. And
