@@ -36,7 +36,7 @@ THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))
 SEED = int(os.environ.get("SFI_FUZZ_SEED", "7"))
 STEPS = int(os.environ.get("SFI_FUZZ_STEPS", "600"))
 ERRORS = {native.ERR_NOT_INIT, native.ERR_BAD_ARG, native.ERR_RANGE, native.ERR_DUPLICATE, native.ERR_COUNT,
-          native.ERR_UNSUPPORTED, native.ERR_ALLOC}
+          native.ERR_UNSUPPORTED, native.ERR_ALLOC, native.ERR_NO_SELECTION}
 STATUS_BITS = (native.STATUS_VIEW_VALID | native.STATUS_LAST_FAST | native.STATUS_FELL_BACK_DENSE
                | native.STATUS_MASS_VALID)
 GGML_TYPE_F16, GGML_TYPE_Q8_0 = 1, 8
@@ -278,12 +278,12 @@ class Fuzzer:
             # only a full cache (1) may refuse a well-formed batch; bad tokens must be refused
             assert code == 1 if kind in ("ok", "fill") else True, f"decode({kind}) failed: {code}"
             assert code != 0 if kind == "bad_token" else True
-            return
+            return code
         assert kind != "bad_token", "a batch with an out-of-vocabulary token was accepted"
         st = self.status()
         assert st & ~STATUS_BITS == 0, st
         if not self.inited:
-            return
+            return code
         fast, fell = bool(st & native.STATUS_LAST_FAST), bool(st & native.STATUS_FELL_BACK_DENSE)
         self.seen[("decode", "fast" if fast else "fell_back" if fell else ("dense", "slow", "?")[self.mode])] += 1
         if self.mode == native.MODE_FAST:
@@ -296,6 +296,7 @@ class Fuzzer:
         if fell or self.mode != native.MODE_FAST:
             assert not st & native.STATUS_VIEW_VALID, st
         assert np.isfinite(c.logits()).all()
+        return code
 
     def check_exports(self, n_tokens):
         c = self.c
@@ -346,6 +347,45 @@ class Fuzzer:
         self.mode = native.MODE_FAST
         for _ in range(int(self.rng.integers(1, 5))):
             self.op_decode()
+
+    def op_device_cycle(self):
+        """The device Selector's cycle: a slow step that selects (and gathers its selection), load_selection, fast
+        steps; load_selection is refused when the step made no selection or the view cannot hold it."""
+        if not self.inited:
+            return
+        r, c = self.rng, self.c
+        p = native._selector_default_params()
+        p.k_head, p.n_sink, p.n_recent = int(r.integers(1, 24)), int(r.integers(0, 5)), int(r.integers(1, 24))
+        n_cand = int(self.pick((3, r.integers(p.k_head, 64)), (1, 1 << 20)))
+        code = self.rc("set_selector", native._set_selector(c.ctx, ctypes.byref(p)), {0, native.ERR_UNSUPPORTED})
+        if code != 0:  # the Selector needs the evidence and the key norms
+            assert self.params["evidence_alpha"] <= 0 or not self.params["export_key_norms"]
+            return
+        self.rc("set_n_candidates(device)", native._set_n_candidates(c.ctx, n_cand), {0})
+        self.rc("set_mode(1)", native._set_mode(c.ctx, 1), {0})
+        try:
+            code = c.decode([int(t) for t in r.integers(3, c.n_vocab, int(self.pick((4, 1), (1, r.integers(2, 9)))))])
+            self.log.append(f"decode(device slow) -> {code}")
+            if code != 0:
+                assert code == 1, f"a device slow step failed: {code}"  # only a full cache may refuse it
+                return
+            n_sel = ctypes.c_int32()
+            made = bool(native._seq_get_selection(c.ctx, 0, None, None, ctypes.byref(n_sel)))
+            code = self.rc(f"load_selection(k_head={p.k_head}, made={made})", native._seq_load_selection(c.ctx, 0),
+                           {0, native.ERR_NO_SELECTION, native.ERR_COUNT})
+            assert code != 0 or made
+            if code == 0:
+                assert self.status() & native.STATUS_VIEW_VALID
+                assert native._seq_load_selection(c.ctx, 0) == 0  # still this step's: loading it again is the same
+                self.rc("set_mode(2)", native._set_mode(c.ctx, 2), {0})
+                self.mode = native.MODE_FAST
+                codes = [self.op_decode() for _ in range(int(r.integers(1, 4)))]
+                if 0 in codes:  # a refused batch is no decode
+                    self.rc("load_selection(after a decode)", native._seq_load_selection(c.ctx, 0), {native.ERR_NO_SELECTION})
+        finally:
+            self.rc("set_selector(None)", native._set_selector(c.ctx, None), {0})
+            self.rc("set_n_candidates(back)", native._set_n_candidates(c.ctx, self.n_candidates), {0})
+            self.rc(f"set_mode({self.mode})", native._set_mode(c.ctx, self.mode), {0})
 
     def op_exports(self):
         c, r = self.c, self.rng
@@ -422,7 +462,8 @@ class Fuzzer:
 
     def run(self, steps: int):
         ops = [(2, self.op_init), (1, self.op_free), (4, self.op_mode), (5, self.op_selection), (10, self.op_decode),
-               (4, self.op_cycle), (2, self.op_exports), (4, self.op_cache), (1, self.op_candidates)]
+               (4, self.op_cycle), (2, self.op_exports), (4, self.op_cache), (1, self.op_candidates),
+               (3, self.op_device_cycle)]
         for _ in range(steps):
             if len(self.c.occupied()) > 0.8 * self.c.n_ctx and self.rng.random() < 0.5:
                 self.op_cache("seq_rm")  # make room, most of the time (a full cache is also tested)
@@ -448,7 +489,7 @@ def test_random_api_sequences_never_crash(name, type_kv, n_ubatch, fa):
         if STEPS >= 300:
             for key in [("decode", "fast"), ("decode", "fell_back"), ("decode", "slow"), ("set_selection", 0),
                         ("set_selection", native.ERR_RANGE), ("set_selection", native.ERR_COUNT),
-                        ("export", "all")] + [("export", "candidates")] * hasattr(native, "_set_n_candidates"):
+                        ("export", "all"), ("load_selection", 0)] + [("export", "candidates")] * hasattr(native, "_set_n_candidates"):
                 assert f.seen[key] > 0, f"never saw {key}"
     except AssertionError as e:
         raise AssertionError(f"seed {seed} ({name}): {e}\nlast operations:\n  " + "\n  ".join(f.log)) from None
