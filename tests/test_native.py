@@ -729,6 +729,56 @@ def test_candidate_key_norms_follow_the_cache(tiny, flash_attn):
         d.close()
 
 
+class NodeSizes:
+    """cb_eval callback that records ne[0] of every node whose name starts with `prefix` (any type, no data)."""
+
+    def __init__(self, prefix):
+        self.prefix = prefix.encode()
+        self.seen: list[int] = []
+
+        def cb(t_ptr, ask, _user):
+            t = ctypes.cast(t_ptr, ctypes.POINTER(ggml_tensor)).contents
+            if not t.name.startswith(self.prefix):
+                return not ask
+            if not ask:
+                self.seen.append(int(t.ne[0]))
+            return True
+
+        self.fn = llama_cpp.ggml_backend_sched_eval_callback(cb)
+
+
+def test_removing_cells_keeps_the_other_cells_key_norms(tiny):
+    """After cells are removed and rewritten (llama_memory_seq_rm, as a prompt-prefix reuse does), a slow step takes
+    the key norms of the rewritten and new cells only, not of the whole cache again (patch 0018); a shift still
+    takes them all. Seen in the size of the slow step's list of cells to update (padded to 256)."""
+    sizes = NodeSizes("sfi_inp_kn_cells")
+    c = Ctx(tiny, capture=sizes)
+    try:
+        sfi = SFINative(c.ctx)
+        sfi.set_n_candidates(64)
+        toks = tokens_for(tiny, 700, seed=13)
+
+        def slow(tokens, pos0=None):
+            sizes.seen.clear()
+            sfi.set_mode(sfi.SLOW)
+            c.decode(tokens, pos0)
+            sfi.set_mode(sfi.DENSE)
+            return max(sizes.seen)
+
+        for i in range(0, 600, 200):
+            c.decode(toks[i:i + 200])
+        assert slow(toks[600:601]) >= 600     # the first slow step takes every cell's norm
+        c.decode(toks[601:620])
+        c.seq_rm(610, -1)
+        c.decode(toks[640:650], pos0=610)     # cells rewritten with other keys
+        assert slow(toks[650:651], pos0=620) == 256
+        llama_cpp.llama_memory_seq_add(c.mem, 0, 0, -1, 1)  # a shift (RoPE of every key redone): all of them again
+        c.n_past += 1
+        assert slow(toks[651:652]) >= 600
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 def test_slow_then_fast_cycle(tiny, flash_attn):
     """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected."""
