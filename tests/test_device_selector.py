@@ -15,7 +15,7 @@ from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
 from sfi_gguf.random_model import random_model
-from test_native import NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
+from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
 FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
@@ -30,10 +30,11 @@ def tiny_deep():
     m.close()
 
 
-def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True):
+def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True, type_kv=GGML_TYPE_F16):
     """Two contexts holding the same prompt, and the token of the slow step."""
     toks = tokens_for(model, n_prompt + 1, seed=seed)
-    pair = Ctx(model, flash_attn=flash_attn), Ctx(model, flash_attn=flash_attn, capture=capture)
+    pair = (Ctx(model, flash_attn=flash_attn, type_kv=type_kv),
+            Ctx(model, flash_attn=flash_attn, type_kv=type_kv, capture=capture))
     for c in pair:
         for i in range(0, n_prompt, 256):
             c.decode(toks[i:min(i + 256, n_prompt)])
@@ -246,15 +247,18 @@ def test_shared_cells_and_overlap(tiny):
         d.close()
 
 
-@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-def test_a_slow_step_loads_its_own_selection(tiny, flash_attn):
+@pytest.mark.parametrize("flash_attn,type_kv", [
+    pytest.param(True, GGML_TYPE_F16, id="fa"), pytest.param(False, GGML_TYPE_F16, id="no_fa"),
+    # blocks of 32 values: the layers are gathered one by one, not as one span of the cache
+    pytest.param(True, GGML_TYPE_Q8_0, id="fa-q8_0")])
+def test_a_slow_step_loads_its_own_selection(tiny, flash_attn, type_kv):
     """load_selection() after a slow step with the device Selector loads what set_selection(selection(), shared=
     sink + recent of the range) loads: the same slots (bit-identical fast steps) and the same overlap; it refuses
     when there is no slow-step selection to load (a decode or an edit since, or no Selector in the step)."""
     from sfi_gguf.native import SFIError
 
     n_prompt = 600
-    (c, d), token = prefilled_pair(tiny, n_prompt, seed=6, flash_attn=flash_attn)
+    (c, d), token = prefilled_pair(tiny, n_prompt, seed=6, flash_attn=flash_attn, type_kv=type_kv)
     try:
         host, native = SFINative(c.ctx), SFINative(d.ctx)
         toks = tokens_for(tiny, 40, seed=7)
