@@ -247,16 +247,19 @@ def test_shared_cells_and_overlap(tiny):
         d.close()
 
 
-@pytest.mark.parametrize("flash_attn,type_kv", [
-    pytest.param(True, GGML_TYPE_F16, id="fa"), pytest.param(False, GGML_TYPE_F16, id="no_fa"),
+@pytest.mark.parametrize("fixture,flash_attn,type_kv", [
+    pytest.param("tiny", True, GGML_TYPE_F16, id="fa"), pytest.param("tiny", False, GGML_TYPE_F16, id="no_fa"),
     # blocks of 32 values: the layers are gathered one by one, not as one span of the cache
-    pytest.param(True, GGML_TYPE_Q8_0, id="fa-q8_0")])
-def test_a_slow_step_loads_its_own_selection(tiny, flash_attn, type_kv):
+    pytest.param("tiny", True, GGML_TYPE_Q8_0, id="fa-q8_0"),
+    # more layers than KV heads (the shared cells' index is repeated per layer)
+    pytest.param("tiny_deep", True, GGML_TYPE_F16, id="fa-70-layers")])
+def test_a_slow_step_loads_its_own_selection(fixture, flash_attn, type_kv, request):
     """load_selection() after a slow step with the device Selector loads what set_selection(selection(), shared=
     sink + recent of the range) loads: the same slots (bit-identical fast steps) and the same overlap; it refuses
     when there is no slow-step selection to load (a decode or an edit since, or no Selector in the step)."""
     from sfi_gguf.native import SFIError
 
+    tiny = request.getfixturevalue(fixture)
     n_prompt = 600
     (c, d), token = prefilled_pair(tiny, n_prompt, seed=6, flash_attn=flash_attn, type_kv=type_kv)
     try:
