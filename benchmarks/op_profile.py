@@ -10,7 +10,9 @@ ops are unnamed, so they show up under their op (CONCAT, POOL_2D, TOP_K, ARGSORT
 
     python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 131072          # on the GPU machine
     python benchmarks/op_profile.py --model qwen3-0.6b --ctx 4096 --kinds slow       # CPU, small
---model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES.
+    python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 32768 --batch 16 # a slow group of 16
+--model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES. With --batch B, B sequences of --ctx
+tokens each (one KV stream each) take every step together, one token each, as a batched group does.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from sfi_gguf._native import LIB_PATH, llama_cpp  # noqa: E402  (loads the patch
 from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative  # noqa: E402
 from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
-from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
+from sfi_gguf.selector import SFISelector  # noqa: E402
 
 
 class ggml_tensor(ctypes.Structure):
@@ -121,6 +123,43 @@ def print_summary(kind: str, s: dict, top: int) -> None:
         print(f"  {r['ms']:8.3f} ms  {r['op']:<14s} {r['name']:<28s} {r['ne']}")
 
 
+class Sequences:
+    """The sequences of one context taking a step together, one token each (one llama_decode)."""
+
+    def __init__(self, lc: LlamaContext):
+        self.lc = lc
+        self.seqs = [lc.sequence(s) for s in range(lc.n_seq_max)] if lc.n_seq_max > 1 else [lc]
+        self.batch = llama_cpp.llama_batch_init(len(self.seqs), 0, 1)
+
+    def fill(self, n: int, rng) -> None:
+        for seq in self.seqs:
+            while len(seq.tokens) < n:
+                k = min(2048, n - len(seq.tokens))
+                seq.decode([int(t) for t in rng.integers(10, min(self.lc.n_vocab, 30000), k)])
+
+    def step(self, token: int) -> None:
+        b = self.batch
+        b.n_tokens = len(self.seqs)
+        for i, seq in enumerate(self.seqs):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, len(seq.tokens), 1, seq.seq, 1
+        if llama_cpp.llama_decode(self.lc.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
+        for seq in self.seqs:
+            seq.tokens.append(token)
+        llama_cpp.llama_get_logits_ith(self.lc.ctx, -1)  # waits for the step
+
+    @property
+    def n_past(self) -> int:
+        return len(self.seqs[0].tokens)
+
+    def truncate(self, n: int) -> None:
+        for seq in self.seqs:
+            seq.truncate(n)
+
+    def close(self) -> None:
+        llama_cpp.llama_batch_free(self.batch)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen3-4b", help=f"GGUF path or one of {', '.join(SHAPES)}")
@@ -134,6 +173,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--kinds", nargs="+", default=["dense", "slow", "fast"], choices=["dense", "slow", "fast"])
     ap.add_argument("--repeats", type=int, default=5,
                     help="profiled steps per kind (each node's fastest time is reported)")
+    ap.add_argument("--batch", type=int, default=1, help="sequences taking each step together (one KV stream each)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default="", help="write the summaries here")
     args = ap.parse_args(argv)
@@ -141,33 +181,32 @@ def main(argv=None) -> dict:
     path = Path(args.model) if Path(args.model).suffix == ".gguf" else random_model(args.model)
     timer = NodeTimer()
     lc = LlamaContext(path, n_ctx=args.ctx + 64, n_gpu_layers=args.ngl, n_threads=args.threads or None,
-                      n_batch=2048, flash_attn=not args.no_flash_attn, verbose=False, cb_eval=timer.fn)
+                      n_batch=2048, flash_attn=not args.no_flash_attn, verbose=False, cb_eval=timer.fn,
+                      n_seq_max=args.batch)
+    seqs = Sequences(lc)
     rng = np.random.default_rng(0)
     t0 = time.perf_counter()
-    while len(lc.tokens) < args.ctx:
-        k = min(2048, args.ctx - len(lc.tokens))
-        lc.decode([int(t) for t in rng.integers(10, min(lc.n_vocab, 30000), k)])
-    print(f"model {path}, context {args.ctx} filled in {time.perf_counter() - t0:.1f} s", flush=True)
+    seqs.fill(args.ctx, rng)
+    print(f"model {path}, {args.batch} x {args.ctx} tokens filled in {time.perf_counter() - t0:.1f} s", flush=True)
 
     n_sink, n_recent = 4, 256
     sfi = SFINative(lc.ctx, n_sel_max=n_sink + args.k_head + n_recent, n_tail_max=64)
-    out = {"model": str(path), "ctx": args.ctx, "ngl": args.ngl, "k_head": args.k_head,
+    out = {"model": str(path), "ctx": args.ctx, "batch": args.batch, "ngl": args.ngl, "k_head": args.k_head,
            "n_candidates": args.n_candidates, "refresh_layer_groups": args.refresh_layer_groups, "kinds": {}}
 
     def profile(kind, before, rewind=True):
         """rewind: back to the same context after each step (dense and slow steps; a fast step would then
         gather its view again, so fast steps run one after the other)."""
-        base = len(lc.tokens)
+        base = seqs.n_past
         runs = []
         for _ in range(args.repeats):
             before()
             timer.start()
-            lc.decode_one(int(rng.integers(10, 30000)))
-            llama_cpp.llama_get_logits_ith(lc.ctx, -1)
+            seqs.step(int(rng.integers(10, min(lc.n_vocab, 30000))))
             runs.append(timer.stop())
             if rewind:
-                lc.truncate(base)  # the same context (and graph) every time
-        lc.truncate(base)
+                seqs.truncate(base)  # the same context (and graph) every time
+        seqs.truncate(base)
         nodes = fastest(runs)
         out["kinds"][kind] = s = summary(nodes, args.top)
         print_summary(kind, s, args.top)
@@ -186,8 +225,8 @@ def main(argv=None) -> dict:
         if args.refresh_layer_groups > 1 and "slow" in args.kinds:
             # a group refresh needs a selection in the view: load the full one first
             slow()
-            lc.decode_one(5)
-            load(sfi, lc, n_sink, n_recent)
+            seqs.step(5)
+            load(sfi, seqs)
 
             def group_slow():
                 sfi.set_refresh_layers(args.refresh_layer_groups, 1)
@@ -196,22 +235,23 @@ def main(argv=None) -> dict:
             sfi.set_refresh_layers(1, 0)
         if "fast" in args.kinds:
             slow()
-            lc.decode_one(5)
-            load(sfi, lc, n_sink, n_recent)
-            lc.decode_one(6)  # the gather
+            seqs.step(5)
+            load(sfi, seqs)
+            seqs.step(6)  # the first fast step after a refresh (a new graph)
             profile("fast", lambda: None, rewind=False)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
         print(f"wrote {args.json}")
     sfi.free()
+    seqs.close()
     lc.close()
     return out
 
 
-def load(sfi: SFINative, lc: LlamaContext, n_sink: int, n_recent: int) -> None:
-    """The last slow step's device selection into the view, with the sink and recent cells shared."""
-    sink, recent = CandidateRange.for_context(len(lc.tokens), n_sink, n_recent).sink_and_recent_cells(sfi.cell_pos())
-    sfi.set_selection(sfi.selection(), shared=np.concatenate([sink, recent]))
+def load(sfi: SFINative, seqs: Sequences) -> None:
+    """Each sequence's last slow step's device selection into its view (gathered by that step)."""
+    for seq in seqs.seqs:
+        sfi.load_selection(seq.seq)
     sfi.set_mode(sfi.FAST)
 
 
