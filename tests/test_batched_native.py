@@ -12,7 +12,7 @@ import pytest
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.native import SFINative
-from test_native import FLASH_ATTN, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
+from test_native import FLASH_ATTN, GGML_TYPE_F16, GGML_TYPE_Q8_0, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
 
 N_SEQ = 3
 PROMPTS = (150, 201, 120)  # different lengths: the views differ in size and cells
@@ -22,8 +22,8 @@ N_CTX_SEQ = 512
 class MultiCtx(Ctx):
     """A context with one KV stream per sequence and a batch of up to one token per sequence."""
 
-    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True):
-        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq)
+    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True, type_kv=GGML_TYPE_F16):
+        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq, type_kv=type_kv)
         self.n_past = [0] * n_seq
 
     def prefill(self, seq, tokens):
@@ -161,14 +161,17 @@ def test_batched_slow_step_exports_per_sequence(tiny, n_candidates, flash_attn):
             c.close()
 
 
-@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-def test_batched_slow_step_loads_each_sequence_s_selection(tiny, flash_attn):
+@pytest.mark.parametrize("flash_attn,type_kv", [
+    pytest.param(True, GGML_TYPE_F16, id="fa"), pytest.param(False, GGML_TYPE_F16, id="no_fa"),
+    # blocks of 32 values: each layer gathered on its own (all the streams at once)
+    pytest.param(True, GGML_TYPE_Q8_0, id="fa-q8_0")])
+def test_batched_slow_step_loads_each_sequence_s_selection(tiny, flash_attn, type_kv):
     """A slow batch of every sequence with the device Selector: load_selection(seq) gives each sequence the memory
     set_selection(selection(seq), shared=its sink + recent cells) gives it (bit-identical fast steps after)."""
     from sfi_gguf.selector import CandidateRange, SFISelector
 
     n_sink, n_recent, k_head = 4, 32, 48
-    a, b = MultiCtx(tiny, flash_attn=flash_attn), MultiCtx(tiny, flash_attn=flash_attn)
+    a, b = (MultiCtx(tiny, flash_attn=flash_attn, type_kv=type_kv), MultiCtx(tiny, flash_attn=flash_attn, type_kv=type_kv))
     try:
         prefill_all(a, tiny)
         prefill_all(b, tiny)
