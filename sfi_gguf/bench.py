@@ -67,6 +67,7 @@ class BenchRow:
     device_selector: bool = False  # the Selector ran in the slow step's graph (when it had candidates)
     refresh_layer_groups: int = 1  # > 1: a device-Selector refresh renewed one group of layers in turn
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
+    confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
 
 
 def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
@@ -92,6 +93,32 @@ def text_tokens(llm, n_tokens: int, seed: int = 0) -> list[int]:
         if len(tokens) >= n_tokens:
             return tokens[:n_tokens]
         n_chars *= 2
+
+
+def forced_tokens_digest(tokens: Sequence[int]) -> str:
+    """Names a forced continuation, so that a confidence trace is replayed only on the tokens it was taken on."""
+    import hashlib
+
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+
+
+def load_confidence_trace(path: str | Path) -> dict:
+    """A trace written by benchmarks/confidence_trace.py: per depth, a trained model's top-1 probabilities."""
+    trace = json.loads(Path(path).read_text())
+    if not isinstance(trace, dict) or not isinstance(trace.get("depths"), dict) or "model" not in trace:
+        raise ValueError(f"{path}: not a confidence trace (benchmarks/confidence_trace.py writes them)")
+    return trace
+
+
+def trace_top1(trace: dict, depth: int, forced: Sequence[int]) -> list[float]:
+    """The trace's top-1 probabilities for the continuation `forced` at `depth`; an error if it has none."""
+    entry = trace["depths"].get(str(depth))
+    if entry is None:
+        raise ValueError(f"the confidence trace has no depth {depth} (it has {', '.join(trace['depths'])})")
+    if entry["forced_sha256"] != forced_tokens_digest(forced) or len(entry["top1"]) < len(forced):
+        raise ValueError(f"the confidence trace at depth {depth} was taken on other tokens (another text, "
+                         "tokenizer or length): record it again with benchmarks/confidence_trace.py")
+    return entry["top1"]
 
 
 def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) -> float:
@@ -145,8 +172,14 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
 def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
               n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
               flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
-              split_mode: str = "layer", log: Callable[[str], None] = print) -> list[BenchRow]:
-    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth."""
+              split_mode: str = "layer", confidence_trace: dict | None = None,
+              log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
+
+    `confidence_trace` (`load_confidence_trace`): the trigger policy reads a trained model's confidence
+    on this text instead of the benchmarked model's (`policy.ReplayedConfidence`)."""
+    from .policy import ReplayedConfidence
+
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
                                         split_mode=split_mode)
@@ -154,6 +187,8 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
     try:
         text = text_tokens(llm, depths[-1] + n_decode)
         budget_depth = _budget(config, depths[-1])
+        # checked before any decoding: a trace of another text fails at once, not after an hour of prefill
+        replayed = {d: trace_top1(confidence_trace, d, text[d:d + n_decode]) for d in depths} if confidence_trace else {}
 
         def dense_at(depth: int) -> float:
             ctx.truncate(min(len(ctx.tokens), depth))
@@ -172,7 +207,10 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
             dense_tok_s = dense_at(depth)
             log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
             stepper = llm._stepper(config)
-            seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode])
+            forced = text[depth:depth + n_decode]
+            if replayed and hasattr(stepper, "policy"):
+                stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
+            seconds = decode_forced(llm, stepper, text[:depth], forced)
             ctx.truncate(depth)
             s = stepper.stats if hasattr(stepper, "stats") else None
             native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
@@ -185,7 +223,8 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
                 t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
                 t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
                 t_selector_background_s=s.t_selector_background if s else 0.0,
-                slow_reasons=dict(s.reasons) if s else {})
+                slow_reasons=dict(s.reasons) if s else {},
+                confidence_source=f"trace: {confidence_trace['model']}" if confidence_trace else "model")
             rows.append(row)
             log(format_row(row))
         return rows
@@ -353,6 +392,10 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
                         "model is never sure, so with it this fires every min_gap steps: its worst case")
+    p.add_argument("--confidence-trace", default=None,
+                   help="JSON of a trained model's top-1 probabilities on the bench's text "
+                        "(benchmarks/confidence_trace.py): the trigger reads those instead of the benchmarked "
+                        "model's, so its low-confidence refreshes fall where real weights put them")
     p.add_argument("--batch", type=int, default=1,
                    help="sequences decoding together (batched SFI), each with its own text at the depth; "
                         "tok/s are then aggregate")
@@ -379,11 +422,20 @@ def _cmd_bench(args) -> int:
                        n_candidates=args.n_candidates, refresh_layer_groups=args.refresh_layer_groups)
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
+    trace = None
+    if args.confidence_trace:
+        if args.batch > 1:
+            raise SystemExit("--confidence-trace: single sequences only (the batched bench has one text per sequence)")
+        try:
+            trace = load_confidence_trace(args.confidence_trace)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--confidence-trace: {e}")
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                   n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                   flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
                   split_mode=args.split_mode)
-    rows = run_bench_batched(model, batch=args.batch, **kwargs) if args.batch > 1 else run_bench(model, **kwargs)
+    rows = (run_bench_batched(model, batch=args.batch, **kwargs) if args.batch > 1
+            else run_bench(model, confidence_trace=trace, **kwargs))
     print()
     print(markdown_table(rows))
     if args.markdown:

@@ -248,6 +248,40 @@ class PunctuationTmaxPolicy(TriggerPolicy):
         return None
 
 
+class ReplayedConfidence:
+    """A policy whose confidence readings come from a recorded trace instead of the model at hand.
+
+    `sfi-gguf bench` times random-weight models, which are never sure of their next token, so the
+    low-confidence rule would fire at every chance (each `min_gap` steps): the worst case, not what a
+    trained model does on the same text. Given `top1[i]`, the top-1 probability a trained model gave
+    the i-th decoded token of this text (benchmarks/confidence_trace.py), the wrapped policy reads
+    that instead, so its triggers fall where they would with real weights. Everything else is the
+    wrapped policy's own.
+    """
+
+    def __init__(self, policy: TriggerPolicy, top1: Sequence[float]):
+        self.policy = policy
+        self.top1 = [float(p) for p in top1]
+        self._n_tokens = 0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def reset(self, context: Sequence[int] = ()) -> None:
+        self.policy.reset(context)
+        self._n_tokens = 0
+
+    def observe_confidence(self, top1: float) -> None:
+        if self._n_tokens >= len(self.top1):
+            raise ValueError(f"the confidence trace covers {len(self.top1)} tokens; token {self._n_tokens + 1} "
+                             "asked for one")
+        self.policy.observe_confidence(self.top1[self._n_tokens])
+
+    def on_token(self, token: int) -> bool:
+        self._n_tokens += 1
+        return self.policy.on_token(token)
+
+
 @register_policy
 class FixedPeriodPolicy(TriggerPolicy):
     """Slow every `period` steps, whatever the text says (ablation of the sentence trigger)."""

@@ -7,8 +7,8 @@ import pytest
 from sfi_gguf.boundary import PieceTable
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.policy import (
-    POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, SinkRecentPolicy, StaticPolicy,
-    make_policy, policy_names, top1_probability,
+    POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, ReplayedConfidence, SinkRecentPolicy,
+    StaticPolicy, make_policy, policy_names, top1_probability,
 )
 
 PIECES = ["Hello", " world", ".", " It", " is", " fine", "\n\n", "!", " ok", "?", " Yes", ".\n", " the", "3",
@@ -265,6 +265,26 @@ def test_confidence_is_wanted_only_past_the_minimum_gap_and_counts_for_one_token
     for _ in range(6):
         assert not policy.on_token(ID[" is"])  # ... and not kept for the tokens after it
     assert not punctuation(confidence_floor=0.0).wants_confidence()
+
+
+def test_a_replayed_trace_decides_the_confidence_refreshes_whatever_the_model_says():
+    trace = [0.9] * 5 + [0.2] + [0.9] * 6 + [0.3] + [0.9] * 3   # unsure at tokens 5 and 12
+    policy = ReplayedConfidence(punctuation(min_gap=4, confidence_floor=0.5), trace)
+    fired = []
+    for round_ in range(2):  # a reset starts the trace again
+        policy.reset()
+        fired.append([])
+        for i in range(len(trace)):
+            if policy.wants_confidence():
+                policy.observe_confidence(0.01)  # the benchmarked model: never sure
+            if policy.on_token(ID[" is"]):
+                fired[-1].append((i, policy.reason))
+    assert fired == [[(5, "confidence"), (12, "confidence")]] * 2
+    assert policy.counts == {"confidence": 4} and policy.min_gap == 4  # the rest is the wrapped policy's
+    with pytest.raises(ValueError, match="covers 16 tokens"):
+        for _ in range(8):
+            policy.observe_confidence(0.5)
+            policy.on_token(ID[" is"])
 
 
 def test_top1_probability():

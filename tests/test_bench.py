@@ -1,0 +1,85 @@
+"""`sfi-gguf bench`'s confidence traces: replayed where they were taken, refused elsewhere."""
+import json
+
+import pytest
+
+from sfi_gguf.bench import (
+    forced_tokens_digest, load_confidence_trace, run_bench, text_tokens, trace_top1,
+)
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.llama import SFILlama
+from sfi_gguf.random_model import random_model
+
+DEPTH, N_DECODE = 768, 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A tiny random model with the default model's tokenizer (the bench's text tokenizes as with real weights)."""
+    return random_model("tiny-qwen3", n_layer=2, vocab="copy")
+
+
+@pytest.fixture(scope="module")
+def forced(model):
+    llm = SFILlama(str(model), n_ctx=256, n_threads=2)
+    try:
+        return text_tokens(llm, DEPTH + N_DECODE)[DEPTH:]
+    finally:
+        llm.close()
+
+
+def _trace(forced, top1):
+    return {"model": "a-trained-model.gguf", "depths": {str(DEPTH): {"forced_sha256": forced_tokens_digest(forced),
+                                                                       "top1": top1}}}
+
+
+@pytest.mark.real_model
+def test_bench_replays_the_trace_instead_of_the_models_confidence(model, forced):
+    config = SFIConfig(k_head=64, n_recent=64, min_context=0, min_gap=8, warmup_refresh=0, refresh_interval=1000,
+                       confidence_floor=0.5)
+    run = dict(depths=[DEPTH], n_decode=N_DECODE, n_threads=2, config=config, log=lambda _: None)
+    # a random model is never sure: a low-confidence refresh at every chance
+    own = run_bench(model, **run)[0]
+    assert own.confidence_source == "model" and own.slow_reasons.get("confidence", 0) >= N_DECODE // 9 - 1
+    # a trace sure of every token: no low-confidence refresh; unsure of every token: the same as the model's own
+    sure = run_bench(model, confidence_trace=_trace(forced, [0.99] * N_DECODE), **run)[0]
+    assert sure.confidence_source == "trace: a-trained-model.gguf"
+    assert "confidence" not in sure.slow_reasons and sure.slow_steps < own.slow_steps
+    unsure = run_bench(model, confidence_trace=_trace(forced, [0.01] * N_DECODE), **run)[0]
+    assert unsure.slow_reasons == own.slow_reasons
+
+
+@pytest.mark.real_model
+def test_a_trace_of_other_tokens_or_depths_is_refused_before_decoding(model, forced, tmp_path):
+    other = list(forced)
+    other[3] += 1
+    with pytest.raises(ValueError, match="taken on other tokens"):
+        trace_top1(_trace(other, [0.9] * N_DECODE), DEPTH, forced)
+    with pytest.raises(ValueError, match="taken on other tokens"):  # too short for the run
+        trace_top1(_trace(forced, [0.9] * (N_DECODE - 1)), DEPTH, forced)
+    with pytest.raises(ValueError, match="no depth 1024"):
+        trace_top1(_trace(forced, [0.9] * N_DECODE), 1024, forced)
+    with pytest.raises(ValueError, match="no depth"):
+        run_bench(model, depths=[1024], n_decode=N_DECODE, n_threads=2, config=SFIConfig(k_head=64, min_context=0),
+                  confidence_trace=_trace(forced, [0.9] * N_DECODE), log=lambda _: None)
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"depth": DEPTH}]))
+    with pytest.raises(ValueError, match="not a confidence trace"):
+        load_confidence_trace(path)
+
+
+@pytest.mark.real_model
+def test_the_committed_trace_matches_the_bench_text(model):
+    """benchmarks/data's trace was taken on the text the bench decodes (same tokenizer, same texts.py)."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "confidence-trace-qwen2.5-coder-0.5b.json"
+    trace = load_confidence_trace(path)
+    llm = SFILlama(str(model), n_ctx=256, n_threads=2)
+    try:
+        depths = sorted(int(d) for d in trace["depths"])
+        text = text_tokens(llm, depths[-1] + trace["n_decode"])
+    finally:
+        llm.close()
+    for depth in depths:
+        assert len(trace_top1(trace, depth, text[depth:depth + trace["n_decode"]])) == trace["n_decode"]
