@@ -8,6 +8,10 @@ it (the model's own context is 32K; the bench's depths go to 128K), and writes e
 probability. The bench replays them (`policy.ReplayedConfidence`) and checks that the forced tokens match.
 
     python3 benchmarks/confidence_trace.py --out benchmarks/data/confidence-trace-qwen2.5-coder-0.5b.json
+
+The text comes from Python's own `pydoc_data.topics`, which changes between Python releases: a trace
+replays only on a machine whose Python gives the same text (the bench checks every forced token), or
+was recorded with `--pydoc-topics` pointing at that machine's topics.py.
 """
 from __future__ import annotations
 
@@ -26,6 +30,19 @@ from sfi_gguf.bench import DEFAULT_DEPTHS, forced_tokens_digest, text_tokens  # 
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.llama import SFILlama  # noqa: E402
 from sfi_gguf.policy import top1_probability  # noqa: E402
+from sfi_gguf.texts import text_source  # noqa: E402
+
+
+def use_pydoc_topics(path: Path) -> None:
+    """Build the texts from the topics module at `path` instead of this Python's (before any text is made)."""
+    import importlib.util
+
+    import pydoc_data
+
+    spec = importlib.util.spec_from_file_location("pydoc_data.topics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules["pydoc_data.topics"] = pydoc_data.topics = module
 
 
 def main() -> int:
@@ -35,14 +52,19 @@ def main() -> int:
     ap.add_argument("-n", "--n-decode", type=int, default=256)
     ap.add_argument("--context", type=int, default=4096, help="tokens of text before each depth the model reads")
     ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--pydoc-topics", default=None,
+                    help="another Python's pydoc_data/topics.py: the bench text of the machine that runs that Python "
+                         "(the text is built from it; e.g. the GPU machine's, whose Python differs from this one's)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    if args.pydoc_topics:
+        use_pydoc_topics(Path(args.pydoc_topics))
 
     llm = SFILlama(args.model, n_ctx=args.context + args.n_decode + 64, n_threads=args.threads, flash_attn=False,
                    sfi=SFIConfig(policy="dense"))
     ctx = llm.context
     text = text_tokens(llm, max(args.depths) + args.n_decode)
-    trace = {"model": Path(str(llm.model_path)).name,
+    trace = {"model": Path(str(llm.model_path)).name, "text_source": text_source(),
              "model_sha256": hashlib.sha256(Path(llm.model_path).read_bytes()).hexdigest(),
              "context": args.context, "n_decode": args.n_decode,
              "command": "python3 benchmarks/confidence_trace.py " + " ".join(sys.argv[1:]), "depths": {}}

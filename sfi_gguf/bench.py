@@ -116,8 +116,12 @@ def trace_top1(trace: dict, depth: int, forced: Sequence[int]) -> list[float]:
     if entry is None:
         raise ValueError(f"the confidence trace has no depth {depth} (it has {', '.join(trace['depths'])})")
     if entry["forced_sha256"] != forced_tokens_digest(forced) or len(entry["top1"]) < len(forced):
+        from .texts import text_source
+
         raise ValueError(f"the confidence trace at depth {depth} was taken on other tokens (another text, "
-                         "tokenizer or length): record it again with benchmarks/confidence_trace.py")
+                         f"tokenizer or length; its text: {trace.get('text_source', '?')}, this one's: "
+                         f"{text_source()}): record it with benchmarks/confidence_trace.py, with --pydoc-topics "
+                         "for another Python's text")
     return entry["top1"]
 
 

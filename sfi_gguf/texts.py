@@ -30,6 +30,16 @@ def prose_paragraphs() -> tuple[str, ...]:
     return tuple(out)
 
 
+def text_source() -> str:
+    """Names the paragraphs' source: `pydoc_data.topics` differs between Python releases, and so do the texts
+    built from it (a benchmark's text on a machine with another Python is another text)."""
+    import hashlib
+
+    from pydoc_data.topics import topics
+
+    return f"pydoc_data.topics sha256 {hashlib.sha256(repr(sorted(topics.items())).encode()).hexdigest()[:16]}"
+
+
 def natural_text(n_chars: int, seed: int = 0) -> str:
     """About n_chars of prose paragraphs (a seeded shuffle; repeats only past ~300K characters)."""
     paragraphs = list(prose_paragraphs())

@@ -69,12 +69,19 @@ def test_a_trace_of_other_tokens_or_depths_is_refused_before_decoding(model, for
 
 
 @pytest.mark.real_model
-def test_the_committed_trace_matches_the_bench_text(model):
-    """benchmarks/data's trace was taken on the text the bench decodes (same tokenizer, same texts.py)."""
+def test_a_committed_trace_matches_the_bench_text_of_this_python(model):
+    """benchmarks/data's trace for this Python's text (texts.py builds it from pydoc_data.topics) was taken on the
+    tokens the bench decodes."""
     from pathlib import Path
 
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "confidence-trace-qwen2.5-coder-0.5b.json"
-    trace = load_confidence_trace(path)
+    from sfi_gguf.texts import text_source
+
+    traces = [load_confidence_trace(p) for p in
+              (Path(__file__).resolve().parent.parent / "benchmarks" / "data").glob("confidence-trace-*.json")]
+    mine = [t for t in traces if t["text_source"] == text_source()]
+    if not mine:
+        pytest.skip(f"no committed trace for this Python's text ({text_source()})")
+    trace = mine[0]
     llm = SFILlama(str(model), n_ctx=256, n_threads=2)
     try:
         depths = sorted(int(d) for d in trace["depths"])
