@@ -382,7 +382,7 @@ def add_bench_parser(sub) -> None:
                    help="fast steps until a new selection is loaded, the Selector running in the background "
                         "meanwhile (default 0; see SFIConfig.selection_delay)")
     p.add_argument("--min-context", type=int, default=None,
-                   help="SFI starts at this context (default: 64K with offloaded layers, else the budget)")
+                   help="SFI starts at this context (default: 32K with offloaded layers, else the budget)")
     p.add_argument("--n-candidates", type=int, default=None,
                    help="cells per layer a slow step picks on the device for the Selector (default: 4 x k_head "
                         "at long context, else every cell; see SFIConfig.n_candidates)")

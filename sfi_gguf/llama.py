@@ -17,8 +17,9 @@ Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
 
 # With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
-# it, SFI on the H200 measured slower than dense decoding (BENCHMARKS.md, "Speed on the GPU").
-GPU_MIN_CONTEXT = 65536
+# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Session 11":
+# at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for Qwen3-8B Q4_K_M, 1.02x).
+GPU_MIN_CONTEXT = 32768
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
 # (unless SFIConfig.min_context says otherwise). With the Selector on the device the H200 measured 1.22x
@@ -181,8 +182,8 @@ class SFILlama:
             return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
         if self.n_gpu_layers and config.min_context is None:
             # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
-            # slow steps and the Selector cost more than the fast steps save below ~64K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU")
+            # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
+            # H200 (BENCHMARKS.md, "Speed on the GPU", "Session 11")
             return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
         return config
 
