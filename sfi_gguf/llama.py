@@ -22,10 +22,11 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 GPU_MIN_CONTEXT = 32768
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise). With the Selector on the device the H200 measured 1.22x
-# batched dense at 4 x 128K and 0.69x at 16 x 32K (BENCHMARKS.md, "Batched SFI"): each slow sequence's
-# export costs about two dense batched steps, which only long contexts pay back.
-GPU_BATCHED_MIN_CONTEXT = 131072
+# (unless SFIConfig.min_context says otherwise). It was 128K while a batch's slow group cost more than its
+# fast steps saved at 32K (0.69x at 16 x 32K, patch 0009); since the slow step gathers every stream and
+# layer at once (patches 0019-0023) the H200 measured 1.28x batched dense at 16 x 32K and 2.05x at
+# 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
+GPU_BATCHED_MIN_CONTEXT = 32768
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
@@ -211,8 +212,12 @@ class SFILlama:
         # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
         # buffers (allocated for the capacity) bounded, and the values inside int32
         n_ctx = self.n_ctx
-        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent),
-                      n_tail_max=min(n_ctx, max(256, 2 * config.refresh_interval)),
+        n_tail_max = min(n_ctx, max(256, 2 * config.refresh_interval))
+        # a delayed selection keeps every cell that entered its range since it was chosen as recent: room for
+        # a tail and the delay (SFIStepper._refresh_from_export)
+        stretch = n_tail_max + config.selection_delay if config.selection_delay else 0
+        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
+                      n_tail_max=n_tail_max,
                       n_query_rows=min(n_ctx, config.n_prefill_queries),
                       evidence_alpha=config.alpha, export_key_norms=True)
         if self._sfi_native is None:

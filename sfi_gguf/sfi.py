@@ -76,6 +76,9 @@ class SFIStepper:
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
         self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
+        self._pending_range: CandidateRange | None = None  # ... and the range it chooses from
+        # the range the loaded selection was chosen from: its recent window starts at its stop
+        self._memory_range: CandidateRange | None = None
         self._load_at = 0               # ... loaded before decoding this step
         self._executor: ThreadPoolExecutor | None = None
         self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
@@ -243,7 +246,9 @@ class SFIStepper:
 
         background: the Selector runs in a worker thread on copies of the export; until its result is
         loaded (`_load_pending`, `selection_delay` steps later), fast steps keep the previous selection
-        with a recent window moved to now, so the slow step's own token stays in the memory.
+        with its recent window stretched to now, so the slow step's own token joins the memory and no cell
+        leaves it. Both loads keep every cell from their selection's candidate range on as recent: a selection
+        chosen on an older context never considered the cells that entered its range since.
         """
         t0 = time.perf_counter()
         n_context = len(self.ctx.tokens)
@@ -269,10 +274,11 @@ class SFIStepper:
         candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
         self.policy.note_refresh()
         if background:
-            self._load_memory(self._selected)
+            self._load_memory(self._selected, candidates=self._memory_range)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
             self._pending = self._executor.submit(self._timed_select, export, candidates, k_head)
+            self._pending_range = candidates
             self._load_at = self._n_step + 1 + self.config.selection_delay
             self.stats.n_async += 1
             self.stats.t_selector += time.perf_counter() - t0
@@ -286,13 +292,14 @@ class SFIStepper:
         selected = self.selector.select(export, candidates, k_head)
         return selected, time.perf_counter() - t0
 
-    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None, load=None) -> None:
+    def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None, load=None,
+                       candidates: CandidateRange | None = None) -> None:
         """load: how to load it (default: with the sink and recent cells of `positions`, checked by the native
-        side)."""
+        side); candidates: the range it was chosen from (default: the context's now)."""
         had_previous = self._selected is not None
         self._selected = selected
         self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
-        self._load_memory(selected, positions, load=load)
+        self._load_memory(selected, positions, candidates=candidates, load=load)
         # support stability, counted by the native side while it checks the selection
         overlap = self.native.selection_overlap() if had_previous else None
         if overlap is not None:
@@ -305,7 +312,7 @@ class SFIStepper:
         selected, t_background = pending.result()
         self.stats.t_selector_background += t_background
         if self._sparse:
-            self._use_selection(selected)
+            self._use_selection(selected, candidates=self._pending_range)
             # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
             # the new selection, not the stale one the fast steps used meanwhile
             self.policy.note_refresh()
@@ -330,15 +337,21 @@ class SFIStepper:
 
     def _load_memory(self, selected: np.ndarray, positions: np.ndarray | None = None,
                      candidates: CandidateRange | None = None, load=None) -> None:
+        """The memory of the next fast steps: `selected`, the sink, and every cell from the candidates' stop
+        on (the recent window; by default the context's last n_recent)."""
+        n_context = len(self.ctx.tokens)
+        if candidates is None:
+            candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+        self._memory_range = candidates
         if load is not None:
             load()
         else:
-            n_context = len(self.ctx.tokens)
             if positions is None:
                 positions = self._positions()
-            if candidates is None:
-                candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
             sink, recent = candidates.sink_and_recent_cells(positions)
+            room = self.native.params["n_sel_max"] - selected.shape[-1] - len(sink)
+            if len(recent) > room:  # an old range on a long context: the window's newest cells
+                recent = recent[np.argsort(positions[recent], kind="stable")[len(recent) - max(room, 0):]]
             self.native.set_selection(selected, shared=np.concatenate([sink, recent]))
         self.native.set_mode(SFINative.FAST)
         self._sparse = True

@@ -95,8 +95,8 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
 
 
 def test_gpu_defaults(llm):
-    """With offloaded layers a batch uses SFI from 128K cells per sequence unless min_context is set
-    (BENCHMARKS.md: batched SFI measured slower on the H200 at 32K), a single sequence from 32K, and the
+    """With offloaded layers a batch uses SFI from 32K cells per sequence unless min_context is set
+    (BENCHMARKS.md: batched SFI measured 1.28x dense at 16 x 32K on the H200), a single sequence too, and the
     Selector runs in the slow step's graph unless device_selector says otherwise; on the CPU neither."""
     from sfi_gguf.llama import GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT
 

@@ -41,6 +41,32 @@ def test_whole_context_budget_with_delay_equals_dense(llm, prompt):
     assert s.n_async == s.n_slow > 0 and s.n_fell_back == 0
 
 
+def test_every_memory_of_a_delayed_selection_holds_every_cell(llm, prompt, monkeypatch):
+    """With a selection of every candidate, each memory loaded holds every cell of the context: the old
+    selection with the recent window stretched to the slow step's token, and the new one `delay` steps later.
+    Neither may drop the cells that entered the selection's range after it was chosen (they are nobody's
+    candidates; a recent window of the last n_recent cells alone lost them, and the tokens stayed equal to
+    dense on some CPUs only)."""
+    import numpy as np
+
+    from sfi_gguf.native import SFINative
+
+    loads = []
+    original = SFINative.set_selection
+
+    def spy(self, cells, seq=0, shared=None):
+        loads.append((len(llm.context.tokens), np.asarray(cells), np.asarray(shared)))
+        return original(self, cells, seq, shared)
+
+    monkeypatch.setattr(SFINative, "set_selection", spy)
+    out = _generate(llm, prompt, SFIConfig(k_head=N_CTX, min_context=0, policy="fixed", fixed_period=8,
+                                           selection_delay=5))
+    assert out.stats.sfi.n_async >= 3 and len(loads) >= 2 * out.stats.sfi.n_async
+    for n_context, cells, shared in loads:  # a fresh cache of one sequence: cell i holds position i
+        for row in cells.reshape(-1, cells.shape[-1]):
+            assert sorted(np.concatenate([row, shared]).tolist()) == list(range(n_context))
+
+
 def test_selection_is_loaded_exactly_delay_steps_after_its_slow_step(llm, prompt, monkeypatch):
     loads = []
     original = SFIStepper._use_selection
