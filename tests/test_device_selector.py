@@ -98,9 +98,13 @@ def test_device_selector_equals_numpy_reference(fixture, flash_attn, request):
             # one score tensor per run of layers alike (layers stacked), [layer, H, n_cand] in candidate order
             scores = np.concatenate([t.reshape(-1, H, cells.shape[1]) for t in capture.seen["sfi_sel_score"]])
             assert len(scores) == L
+            # without flash attention the host export is the attention's own softmax (its product of the unscaled
+            # queries), the device's scores come from a product of the scaled ones: the CPU rounds both queries to
+            # F16 for the product, so they agree to that rounding (~1e-4), not to F32's
+            tol = dict(rtol=1e-5, atol=2e-5) if flash_attn else dict(rtol=2e-4, atol=2e-3)
             for layer in range(L):
                 device = scores[layer]
-                np.testing.assert_allclose(device, reference[layer][:, cells[layer] - rng.start], rtol=1e-5, atol=2e-5)
+                np.testing.assert_allclose(device, reference[layer][:, cells[layer] - rng.start], **tol)
     finally:
         c.close()
         d.close()

@@ -592,15 +592,16 @@ def test_multi_token_fast_decode(tiny):
 
 @pytest.mark.skipif(NGL > 0, reason="reads tensors on the host through cb_eval")
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-@pytest.mark.parametrize("rows", [1, 4])
-def test_mass_matches_softmax(tiny, rows, flash_attn):
+@pytest.mark.parametrize("rows, extra", [(1, 0), (4, 0), (4, 3)])
+def test_mass_matches_softmax(tiny, rows, extra, flash_attn):
+    """`extra`: the slow ubatch holds more tokens than the query rows (as a bootstrap chunk does)."""
     P = 150
     cap = Capture(["kq_soft_max-", "Kcur-"])
     ref = Ctx(tiny, flash_attn=False, capture=cap)
     c = Ctx(tiny, flash_attn=flash_attn)
     d = Ctx(tiny, flash_attn=flash_attn)
     try:
-        toks = tokens_for(tiny, P + rows, seed=7)
+        toks = tokens_for(tiny, P + extra + rows, seed=7)
         for x in (ref, c, d):
             x.decode(toks[:P])
         keys = {i: [cap.last(f"Kcur-{i}")[0]] for i in range(2)}
@@ -626,10 +627,10 @@ def test_mass_matches_softmax(tiny, rows, flash_attn):
             np.testing.assert_allclose(mass[i], want, rtol=3e-3, atol=2e-4)
             np.testing.assert_allclose(mass[i].sum(-1), rows * G, rtol=1e-4)
             np.testing.assert_allclose(evid[i], np.sqrt(p).reshape(H, G * rows, n_cells).sum(1), rtol=3e-3, atol=2e-3)
-            assert np.all(mass[i][:, P + rows:] == 0)  # unused cells get exactly 0
-            k = np.concatenate(keys[i] + [cap.last(f"Kcur-{i}")[0]])  # [P+rows, HKV, D]
+            assert np.all(mass[i][:, P + extra + rows:] == 0)  # unused cells get exactly 0
+            k = np.concatenate(keys[i] + [cap.last(f"Kcur-{i}")[0]])  # [P+extra+rows, HKV, D]
             kn = np.linalg.norm(k.astype(np.float16).astype(np.float32), axis=-1).T
-            np.testing.assert_allclose(norms[i][:, :P + rows], kn, rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(norms[i][:, :P + extra + rows], kn, rtol=1e-3, atol=1e-4)
         # after a following non-slow decode the export is gone
         sfi.set_mode(sfi.DENSE)
         c.decode([3])
