@@ -76,7 +76,6 @@ class SFIStepper:
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
         self._pending: Future | None = None  # a background Selector run (selection_delay > 0)
-        self._pending_range: CandidateRange | None = None  # ... and the range it chooses from
         # the range the loaded selection was chosen from: its recent window starts at its stop
         self._memory_range: CandidateRange | None = None
         self._load_at = 0               # ... loaded before decoding this step
@@ -278,7 +277,6 @@ class SFIStepper:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
             self._pending = self._executor.submit(self._timed_select, export, candidates, k_head)
-            self._pending_range = candidates
             self._load_at = self._n_step + 1 + self.config.selection_delay
             self.stats.n_async += 1
             self.stats.t_selector += time.perf_counter() - t0
@@ -287,10 +285,11 @@ class SFIStepper:
         self.stats.t_selector += time.perf_counter() - t0
 
     def _timed_select(self, export: AttentionExport, candidates: CandidateRange, k_head: int):
-        """The background half of a refresh: the Selector."""
+        """The background half of a refresh: the Selector's choice, the range it chose from (its memory's recent
+        window starts at that range's stop) and the seconds it took."""
         t0 = time.perf_counter()
         selected = self.selector.select(export, candidates, k_head)
-        return selected, time.perf_counter() - t0
+        return selected, candidates, time.perf_counter() - t0
 
     def _use_selection(self, selected: np.ndarray, positions: np.ndarray | None = None, load=None,
                        candidates: CandidateRange | None = None) -> None:
@@ -309,10 +308,10 @@ class SFIStepper:
         """Load the background Selector's result (waiting for it) unless the view was dropped since."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
-        selected, t_background = pending.result()
+        selected, candidates, t_background = pending.result()
         self.stats.t_selector_background += t_background
         if self._sparse:
-            self._use_selection(selected, candidates=self._pending_range)
+            self._use_selection(selected, candidates=candidates)
             # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
             # the new selection, not the stale one the fast steps used meanwhile
             self.policy.note_refresh()
