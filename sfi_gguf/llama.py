@@ -213,9 +213,10 @@ class SFILlama:
         # buffers (allocated for the capacity) bounded, and the values inside int32
         n_ctx = self.n_ctx
         n_tail_max = min(n_ctx, max(256, 2 * config.refresh_interval))
-        # a delayed selection keeps every cell that entered its range since it was chosen as recent: room for
-        # a tail and the delay (SFIStepper._refresh_from_export)
-        stretch = n_tail_max + config.selection_delay if config.selection_delay else 0
+        # a delayed selection keeps every cell that entered its range since it was chosen as recent
+        # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap
+        # refresh) and the slow step's token beyond n_recent
+        stretch = config.selection_delay + n_tail_max + 1 if config.selection_delay else 0
         params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
                       n_tail_max=n_tail_max,
                       n_query_rows=min(n_ctx, config.n_prefill_queries),

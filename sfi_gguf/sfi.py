@@ -348,9 +348,6 @@ class SFIStepper:
             if positions is None:
                 positions = self._positions()
             sink, recent = candidates.sink_and_recent_cells(positions)
-            room = self.native.params["n_sel_max"] - selected.shape[-1] - len(sink)
-            if len(recent) > room:  # an old range on a long context: the window's newest cells
-                recent = recent[np.argsort(positions[recent], kind="stable")[len(recent) - max(room, 0):]]
             self.native.set_selection(selected, shared=np.concatenate([sink, recent]))
         self.native.set_mode(SFINative.FAST)
         self._sparse = True

@@ -67,6 +67,38 @@ def test_every_memory_of_a_delayed_selection_holds_every_cell(llm, prompt, monke
             assert sorted(np.concatenate([row, shared]).tolist()) == list(range(n_context))
 
 
+def test_the_longest_stretched_window_fits_the_native_capacity(llm, prompt, monkeypatch):
+    """The memory between a slow step and its load keeps the old selection's whole recent window: its n_recent
+    cells, the `delay` steps before that selection was loaded, the full tail since (a slow step skips the cheap
+    refresh, so up to n_tail_max) and the slow step's token. A second slow step 257 steps after a delayed load
+    is that longest case; the stretched window must lose no cell (each load's recent cells run unbroken to the
+    newest, and the memory kept between a slow step and its load starts where the one before it started)."""
+    import numpy as np
+
+    from sfi_gguf.native import SFINative
+
+    loads = []
+    original = SFINative.set_selection
+
+    def spy(self, cells, seq=0, shared=None):
+        loads.append((len(llm.context.tokens), np.asarray(cells).copy(), np.sort(np.asarray(shared))))
+        return original(self, cells, seq, shared)
+
+    monkeypatch.setattr(SFINative, "set_selection", spy)
+    config = SFIConfig(k_head=128, min_context=0, policy="fixed", fixed_period=257, selection_delay=5)
+    out = _generate(llm, prompt, config, n=525)
+    assert llm._sfi_native.params["n_tail_max"] == 256
+    assert out.stats.sfi.slow_steps == [257, 519]
+    starts = []
+    for n_context, cells, shared in loads:  # a fresh cache of one sequence: cell i holds position i
+        recent = shared[shared >= config.n_sink]
+        assert np.array_equal(recent, np.arange(recent[0], n_context))
+        starts.append(recent[0])
+    kept = [i for i in range(1, len(loads)) if np.array_equal(loads[i][1], loads[i - 1][1])]
+    assert len(kept) == 2 and all(starts[i] == starts[i - 1] for i in kept)
+    assert n_context - starts[kept[-1]] == config.n_recent + 5 + 256 + 1  # the longest window, whole
+
+
 def test_selection_is_loaded_exactly_delay_steps_after_its_slow_step(llm, prompt, monkeypatch):
     loads = []
     original = SFIStepper._use_selection
