@@ -8,7 +8,7 @@
 #   SFI_PROFILE_GROUPS, SFI_PROFILE_TOP, SFI_PROFILE_BATCH: sequences per step, e.g. 16 with SFI_CYCLE_CTX=32768),
 #   bench (SFI_BENCH_DEPTHS, SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
-#   selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
+#   op-tests (the SFI ggml ops against their CPU definition), selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
@@ -56,6 +56,11 @@ if [[ " $stages " == *" tests "* ]]; then
     log "native tests on the GPU"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_native.py \
         2>&1 | tee "$OUT/gpu-tests.log" | tail -15
+fi
+if [[ " $stages " == *" op-tests "* ]]; then
+    log "SFI ggml ops on the GPU against their composite definition on the CPU"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_sfi_ops.py -k every_backend -s \
+        2>&1 | tee "$OUT/gpu-op-tests.log" | grep -v "^ok " | tail -8
 fi
 if [[ " $stages " == *" selector-tests "* ]]; then
     log "device Selector tests on the GPU (selections against the numpy reference)"

@@ -33,7 +33,7 @@ if ! have_version llama_cpp_python "$LCP_VERSION"; then
 fi
 
 CPU_ID=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m)
-KEY=$( { cat CMakeLists.txt pyproject.toml native/prepare_llama_cpp.py native/patches/*.patch native/bench/*.c;
+KEY=$( { cat CMakeLists.txt pyproject.toml native/prepare_llama_cpp.py native/patches/*.patch native/bench/*.c native/tests/*.cpp;
          echo "${CMAKE_ARGS:-}" "${SFI_LLAMA_CPP_SOURCE:-}" "$CPU_ID"; } | sha256sum | cut -c1-16)
 BUILD_DIR="$CACHE/build/$KEY"
 echo "sfi-gguf: building in $BUILD_DIR"

@@ -1,0 +1,269 @@
+// sfi-test-ops: the SFI ggml ops (ggml-sfi.h) on every backend against their definition, the composite ggml ops
+// they replace, computed on the CPU (whose products round the queries to the keys' vec_dot type, as its attention does). In the manner of llama.cpp's test-backend-ops: each case builds its
+// inputs once, runs the op on each backend that supports it and compares by normalised mean squared error.
+// Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
+
+#include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
+#include "ggml-cpu.h"
+#include "ggml-sfi.h"
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+struct evidence_case {
+    int64_t    n_embd;
+    int64_t    n_rows;    // token rows
+    int64_t    n_gqa;     // query heads per KV head
+    int64_t    n_head_kv;
+    int64_t    n_kv;
+    int64_t    nb;        // layers x streams
+    int64_t    nm;        // mask batches (nb % nm == 0)
+    ggml_type  type_k;
+    ggml_type  type_mask;
+    float      alpha;
+    float      softcap;
+    bool       transposed_k; // k given as a permuted view of [n_embd, n_head_kv, n_kv, nb], as the cache holds it
+
+    std::string name() const {
+        char buf[256];
+        snprintf(buf, sizeof(buf), "sfi_evidence(D=%lld,rows=%lld,gqa=%lld,hkv=%lld,n_kv=%lld,nb=%lld,nm=%lld,k=%s,mask=%s,alpha=%g,cap=%g,perm=%d)",
+                (long long) n_embd, (long long) n_rows, (long long) n_gqa, (long long) n_head_kv, (long long) n_kv,
+                (long long) nb, (long long) nm, ggml_type_name(type_k), ggml_type_name(type_mask), alpha, softcap, transposed_k);
+        return buf;
+    }
+};
+
+// the inputs of a case as F32 values: q, k (already rounded to type_k) and the mask
+struct evidence_inputs {
+    std::vector<float> q, k, mask;
+};
+
+static std::vector<float> round_to(ggml_type type, const std::vector<float> & x, int64_t n_per_row) {
+    if (type == GGML_TYPE_F32) {
+        return x;
+    }
+    const int64_t n_rows = (int64_t) x.size()/n_per_row;
+    std::vector<uint8_t> packed(ggml_row_size(type, n_per_row)*n_rows);
+    ggml_quantize_chunk(type, x.data(), packed.data(), 0, n_rows, n_per_row, nullptr);
+    std::vector<float> out(x.size());
+    ggml_get_type_traits(type)->to_float(packed.data(), out.data(), (int64_t) x.size());
+    return out;
+}
+
+static std::vector<uint8_t> pack(ggml_type type, const std::vector<float> & x, int64_t n_per_row) {
+    std::vector<uint8_t> packed(ggml_row_size(type, n_per_row)*(x.size()/n_per_row));
+    if (type == GGML_TYPE_F32) {
+        memcpy(packed.data(), x.data(), packed.size());
+    } else {
+        ggml_quantize_chunk(type, x.data(), packed.data(), 0, (int64_t) x.size()/n_per_row, n_per_row, nullptr);
+    }
+    return packed;
+}
+
+static evidence_inputs make_inputs(const evidence_case & tc, std::mt19937 & rng) {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+
+    const int64_t n_q = tc.n_rows*tc.n_gqa;
+
+    evidence_inputs in;
+    in.q.resize(tc.n_embd*n_q*tc.n_head_kv*tc.nb);
+    for (float & v : in.q) {
+        v = normal(rng)*0.3f; // scores of a few units, as scaled queries give
+    }
+    in.k.resize(tc.n_embd*tc.n_kv*tc.n_head_kv*tc.nb);
+    for (float & v : in.k) {
+        v = normal(rng);
+    }
+    // a few cells repeat an earlier key exactly: tied scores
+    for (int64_t c = 3; c < tc.n_kv; c += 11) {
+        for (int64_t hb = 0; hb < tc.n_head_kv*tc.nb; ++hb) {
+            float * dst = in.k.data() + (hb*tc.n_kv + c)*tc.n_embd;
+            memcpy(dst, dst - 3*tc.n_embd, tc.n_embd*sizeof(float));
+        }
+    }
+    in.k = round_to(tc.type_k, in.k, tc.n_embd);
+
+    // causal-looking mask: each row sees a prefix, a few cells excluded inside it, small biases elsewhere
+    in.mask.resize(tc.n_kv*tc.n_rows*tc.nm);
+    for (int64_t m = 0; m < tc.nm; ++m) {
+        for (int64_t r = 0; r < tc.n_rows; ++r) {
+            const int64_t visible = std::max<int64_t>(1, tc.n_kv - (tc.n_rows - 1 - r) - m);
+            for (int64_t c = 0; c < tc.n_kv; ++c) {
+                float v = c < visible ? 0.0f : -INFINITY;
+                if (c > 0 && c % 17 == 5) {
+                    v = -INFINITY;
+                }
+                in.mask[(m*tc.n_rows + r)*tc.n_kv + c] = v;
+            }
+            in.mask[(m*tc.n_rows + r)*tc.n_kv] = 0.0f; // never a row without cells
+        }
+    }
+    in.mask = round_to(tc.type_mask, in.mask, tc.n_kv);
+    return in;
+}
+
+// runs build() on backend with the case's inputs in tensors of the case's types; returns dst as F32
+static std::vector<float> run(ggml_backend_t backend, const evidence_case & tc, const evidence_inputs & in, bool reference,
+        bool * supported) {
+    const int64_t n_q = tc.n_rows*tc.n_gqa;
+
+    ggml_init_params ip = { ggml_tensor_overhead()*64 + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * q = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, tc.n_embd, n_q, tc.n_head_kv, tc.nb);
+    ggml_tensor * k_store = tc.transposed_k
+        ? ggml_new_tensor_4d(ctx, tc.type_k, tc.n_embd, tc.n_head_kv, tc.n_kv, tc.nb)
+        : ggml_new_tensor_4d(ctx, tc.type_k, tc.n_embd, tc.n_kv, tc.n_head_kv, tc.nb);
+    ggml_tensor * mask = ggml_new_tensor_4d(ctx, tc.type_mask, tc.n_kv, tc.n_rows, 1, tc.nm);
+
+    ggml_tensor * k = tc.transposed_k ? ggml_permute(ctx, k_store, 0, 2, 1, 3) : k_store;
+
+    ggml_tensor * out;
+    if (reference) {
+        // the definition: softmax of the scores per row, ^alpha, summed over the rows of each KV head
+        ggml_tensor * kq = ggml_mul_mat(ctx, k, q);                           // [n_kv, n_q, n_head_kv, nb]
+        ggml_prec_set_acc(kq, GGML_PREC_F32);
+        if (tc.softcap > 0.0f) {
+            kq = ggml_scale(ctx, ggml_tanh(ctx, kq), tc.softcap);
+        }
+        kq = ggml_reshape_4d(ctx, kq, tc.n_kv, tc.n_rows, tc.n_gqa*tc.n_head_kv, tc.nb);
+        ggml_tensor * mask_f32 = tc.type_mask == GGML_TYPE_F32 ? mask : ggml_cast(ctx, mask, GGML_TYPE_F32);
+        ggml_tensor * p = ggml_soft_max_ext(ctx, kq, mask_f32, 1.0f, 0.0f);
+        p = ggml_exp(ctx, ggml_scale(ctx, ggml_log(ctx, p), tc.alpha));
+        p = ggml_reshape_4d(ctx, p, tc.n_kv, n_q, tc.n_head_kv, tc.nb);
+        out = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3))); // [1, n_kv, n_head_kv, nb]
+        out = ggml_reshape_3d(ctx, out, tc.n_kv, tc.n_head_kv, tc.nb);
+    } else {
+        out = ggml_sfi_evidence(ctx, q, k, mask, (int) tc.n_rows, tc.alpha, tc.softcap);
+    }
+
+    *supported = ggml_backend_supports_op(backend, out);
+    std::vector<float> result;
+    if (*supported) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+
+        ggml_backend_tensor_set(q, in.q.data(), 0, ggml_nbytes(q));
+
+        // k_store holds the keys of k's layout: [n_embd, n_kv, n_head_kv, nb], or [n_embd, n_head_kv, n_kv, nb] transposed
+        std::vector<float> k_vals = in.k;
+        if (tc.transposed_k) {
+            for (int64_t b = 0; b < tc.nb; ++b) {
+                for (int64_t h = 0; h < tc.n_head_kv; ++h) {
+                    for (int64_t c = 0; c < tc.n_kv; ++c) {
+                        memcpy(&k_vals[((b*tc.n_kv + c)*tc.n_head_kv + h)*tc.n_embd],
+                               &in.k[((b*tc.n_head_kv + h)*tc.n_kv + c)*tc.n_embd], tc.n_embd*sizeof(float));
+                    }
+                }
+            }
+        }
+        const std::vector<uint8_t> k_bytes = pack(k_store->type, k_vals, tc.n_embd);
+        ggml_backend_tensor_set(k_store, k_bytes.data(), 0, ggml_nbytes(k_store));
+        const std::vector<uint8_t> m_bytes = pack(tc.type_mask, in.mask, tc.n_kv);
+        ggml_backend_tensor_set(mask, m_bytes.data(), 0, ggml_nbytes(mask));
+
+        ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_build_forward_expand(gf, out);
+        GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+
+        result.resize(ggml_nelements(out));
+        ggml_backend_tensor_get(out, result.data(), 0, ggml_nbytes(out));
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(ctx);
+    return result;
+}
+
+static double nmse(const std::vector<float> & a, const std::vector<float> & ref) {
+    double err = 0.0, norm = 0.0;
+    for (size_t i = 0; i < a.size(); ++i) {
+        if (!std::isfinite(a[i])) {
+            return INFINITY;
+        }
+        err  += (a[i] - ref[i])*(double) (a[i] - ref[i]);
+        norm += ref[i]*(double) ref[i];
+    }
+    return norm > 0.0 ? err/norm : err;
+}
+
+int main(int argc, char ** argv) {
+    const bool verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
+
+    std::vector<evidence_case> cases;
+    for (int64_t D : { 64, 128, 256 }) {
+        for (ggml_type tk : { GGML_TYPE_F16, GGML_TYPE_Q8_0, GGML_TYPE_F32 }) {
+            cases.push_back({ D, 1, 4, 8, 1000, 3, 1, tk, GGML_TYPE_F16, 0.5f, 0.0f, false });
+            cases.push_back({ D, 1, 7, 2, 257, 2, 2, tk, GGML_TYPE_F32, 0.5f, 0.0f, true });
+        }
+    }
+    cases.push_back({ 128, 16, 4, 2, 777, 1, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false });  // bootstrap rows
+    cases.push_back({ 64, 16, 7, 2, 300, 2, 2, GGML_TYPE_F16, GGML_TYPE_F32, 0.5f, 0.0f, true });   // odd GQA group
+    cases.push_back({ 128, 1, 1, 4, 1, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false });    // one cell
+    cases.push_back({ 128, 1, 2, 4, 7, 5, 5, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });     // odd cell count
+    cases.push_back({ 128, 2, 4, 8, 4099, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 1.0f, 0.0f, false });  // alpha 1: mass
+    cases.push_back({ 128, 1, 4, 8, 1500, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.3f, 0.0f, false });  // other alpha
+    cases.push_back({ 256, 1, 2, 4, 600, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 30.0f, false });  // soft-capped scores
+    cases.push_back({ 128, 1, 4, 8, 70000, 1, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false }); // long context
+
+    ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
+    GGML_ASSERT(cpu);
+
+    std::vector<ggml_backend_t> backends;
+    for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+        ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+        if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            backends.push_back(cpu);
+        } else if (ggml_backend_t b = ggml_backend_dev_init(dev, nullptr)) {
+            backends.push_back(b);
+        }
+    }
+
+    std::mt19937 rng(1234);
+    int n_failed = 0, n_run = 0;
+    for (const evidence_case & tc : cases) {
+        const evidence_inputs in = make_inputs(tc, rng);
+
+        bool ok_ref = false;
+        const std::vector<float> ref = run(cpu, tc, in, true, &ok_ref);
+        GGML_ASSERT(ok_ref);
+
+        for (ggml_backend_t backend : backends) {
+            bool supported = false;
+            const std::vector<float> got = run(backend, tc, in, false, &supported);
+            const char * name = ggml_backend_name(backend);
+            if (!supported) {
+                if (backend == cpu) {
+                    printf("FAIL %s on %s: not supported (the CPU is the reference)\n", tc.name().c_str(), name);
+                    n_failed++;
+                } else if (verbose) {
+                    printf("skip %s on %s: not supported\n", tc.name().c_str(), name);
+                }
+                continue;
+            }
+            // the CPU takes the reference's own products; other backends round and sum in their own order
+            const double err = nmse(got, ref);
+            const bool   ok  = err < (backend == cpu ? 1e-10 : 1e-6);
+            n_run++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s: nmse %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), name, err);
+            }
+        }
+    }
+    printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
+
+    for (ggml_backend_t b : backends) {
+        if (b != cpu) {
+            ggml_backend_free(b);
+        }
+    }
+    ggml_backend_free(cpu);
+    return n_failed == 0 && n_run > 0 ? 0 : 1;
+}
