@@ -205,6 +205,8 @@ int main(int argc, char ** argv) {
     }
     cases.push_back({ 128, 16, 4, 2, 777, 1, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false });  // bootstrap rows
     cases.push_back({ 64, 16, 7, 2, 300, 2, 2, GGML_TYPE_F16, GGML_TYPE_F32, 0.5f, 0.0f, true });   // odd GQA group
+    cases.push_back({ 128, 16, 8, 2, 900, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });  // more rows than
+    cases.push_back({ 256, 16, 4, 1, 333, 1, 1, GGML_TYPE_F16, GGML_TYPE_F32, 0.5f, 0.0f, false }); //   a GPU block holds
     cases.push_back({ 128, 1, 1, 4, 1, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false });    // one cell
     cases.push_back({ 128, 1, 2, 4, 7, 5, 5, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });     // odd cell count
     cases.push_back({ 128, 2, 4, 8, 4099, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 1.0f, 0.0f, false });  // alpha 1: mass
