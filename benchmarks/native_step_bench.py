@@ -116,7 +116,7 @@ def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, gr
             raise SystemExit("the slow step ran no device Selector")
         if load == "native":  # as SFIStepper does
             sfi.load_selection()
-        else:  # the host's way before API v8: sink and recent cells from the positions, the selection checked again
+        else:  # through the host: sink and recent cells from the positions, the selection checked again
             pos = sfi.cell_pos()
             sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
             sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
