@@ -9,7 +9,9 @@ import pytest
 
 import sfi_gguf
 from sfi_gguf import _native
+from sfi_gguf.context import LlamaContext
 from sfi_gguf.models import KNOWN_MODELS, ensure_model, resolve_model_path
+from sfi_gguf.random_model import random_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -49,6 +51,20 @@ def test_prepare_script_refuses_a_tree_without_llama_h(tmp_path):
                              str(tmp_path / "out"), "--source", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "not a llama.cpp tree" in result.stderr
+
+
+@pytest.mark.real_model
+def test_llama_cpp_logs_only_when_verbose(capfd):
+    # the default model's vocabulary makes llama.cpp warn at every load ("control-looking token")
+    path = random_model("tiny-qwen3", n_layer=2, vocab="copy")
+    for verbose in (False, True):
+        LlamaContext(path, n_ctx=256, n_gpu_layers=0, n_threads=1, n_batch=64, flash_attn=True,
+                     verbose=verbose).close()
+        if verbose:
+            log = capfd.readouterr().err
+            assert "control-looking token" in log and "llama_model_loader" in log
+        else:
+            assert capfd.readouterr().err == ""
 
 
 @pytest.mark.real_model
