@@ -17,7 +17,7 @@ A step is llama_decode of one token plus reading its logits (which waits for the
     python benchmarks/native_step_bench.py                         # random Qwen3-4B shape, CPU
     python benchmarks/native_step_bench.py --ngl 99 --ctx 32768    # CUDA
     python benchmarks/native_step_bench.py --model qwen3-0.6b --ctx 8192 --steps 8
---model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES.
+--model takes a GGUF path or a name of sfi_gguf.tools.random_model.SHAPES.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sfi_gguf._native import llama_cpp  # noqa: E402  (loads the patched library)
 from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative, STATUS_LAST_FAST  # noqa: E402
-from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
+from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
 from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
 
 

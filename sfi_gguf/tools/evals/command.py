@@ -1,16 +1,17 @@
-"""`sfi-gguf eval`: the quality evaluation from the command line (parser and command)."""
+"""`sfi-gguf eval`: the quality evaluation from the command line."""
 from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 
-def add_eval_parser(sub) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from .runner import POLICIES, SUITES, TASKS
 
-    p = sub.add_parser(
-        "eval", help="quality evaluation: every policy against dense at equal budget (needle, variables, ...)",
+    p = argparse.ArgumentParser(
+        prog="sfi-gguf eval",
         description="Runs needle retrieval, variable tracking, long-generation agreement and chain-of-thought "
                     "cases with every policy at the same budget. Each case is prefilled once and its KV cache "
                     "reused by all policies. Results are written after every case; running again with the "
@@ -26,14 +27,15 @@ def add_eval_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--fresh", action="store_true", help="ignore records already in --out instead of resuming")
     p.add_argument("--report", default=None,
                    help="also write STEM.md (table), STEM-accuracy.png and STEM-timeline.png")
-    p.set_defaults(func=cmd_eval)
     return p
 
 
-def cmd_eval(args: argparse.Namespace) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sfi-gguf eval ARGS`."""
     from .report import markdown_table, write_report
     from .runner import REPO, run_suite
 
+    args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"eval-{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=tuple(args.policy),

@@ -24,7 +24,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from .config import SFIConfig
+from ..config import SFIConfig
+from ..policy import TriggerPolicy
 from .provenance import git_commit
 
 DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
@@ -125,6 +126,40 @@ def trace_top1(trace: dict, depth: int, forced: Sequence[int]) -> list[float]:
     return entry["top1"]
 
 
+class ReplayedConfidence:
+    """A policy whose confidence readings come from a recorded trace instead of the model at hand.
+
+    This bench times random-weight models, which are never sure of their next token, so the
+    low-confidence rule would fire at every chance (each `min_gap` steps): the worst case, not what a
+    trained model does on the same text. Given `top1[i]`, the top-1 probability a trained model gave
+    the i-th decoded token of this text (benchmarks/confidence_trace.py), the wrapped policy reads
+    that instead, so its triggers fall where they would with real weights. Everything else is the
+    wrapped policy's own.
+    """
+
+    def __init__(self, policy: TriggerPolicy, top1: Sequence[float]):
+        self.policy = policy
+        self.top1 = [float(p) for p in top1]
+        self._n_tokens = 0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def reset(self, context: Sequence[int] = ()) -> None:
+        self.policy.reset(context)
+        self._n_tokens = 0
+
+    def observe_confidence(self, top1: float) -> None:
+        if self._n_tokens >= len(self.top1):
+            raise ValueError(f"the confidence trace covers {len(self.top1)} tokens; token {self._n_tokens + 1} "
+                             "asked for one")
+        self.policy.observe_confidence(self.top1[self._n_tokens])
+
+    def on_token(self, token: int) -> bool:
+        self._n_tokens += 1
+        return self.policy.on_token(token)
+
+
 def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) -> float:
     """Prefill (reusing the cached prefix), then one step per forced token; seconds of decoding.
 
@@ -152,9 +187,9 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
           config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1):
     """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
     `shared`: the row fields every depth has in common but the git commit and the hardware."""
-    from .context import default_threads
-    from .devices import gpu_count
-    from .llama import SFILlama
+    from ..context import default_threads
+    from ..devices import gpu_count
+    from ..llama import SFILlama
 
     config = config or SFIConfig(k_head=2048)
     depths = sorted(int(d) for d in depths)
@@ -181,8 +216,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
     """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
 
     `confidence_trace` (`load_confidence_trace`): the trigger policy reads a trained model's confidence
-    on this text instead of the benchmarked model's (`policy.ReplayedConfidence`)."""
-    from .policy import ReplayedConfidence
+    on this text instead of the benchmarked model's (`ReplayedConfidence`)."""
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
@@ -265,7 +299,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps)."""
-    from .batched import Request
+    from ..batched import Request
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
@@ -348,12 +382,12 @@ def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
 
 # -- command line ----------------------------------------------------------------------------------
 
-def add_bench_parser(sub) -> None:
-    from .policy import POLICIES
+def build_parser() -> argparse.ArgumentParser:
+    from ..policy import POLICIES
     from .random_model import SHAPES, WEIGHT_TYPES
 
-    p = sub.add_parser(
-        "bench", help="decode speed, dense vs SFI in one process, at several context depths",
+    p = argparse.ArgumentParser(
+        prog="sfi-gguf bench",
         description="Prefills D tokens of natural text, decodes N tokens teacher-forced on its continuation, "
                     "densely and with SFI on the same cache, and prints tok/s, the ratio, the slow-step count, "
                     "the time split and the ceiling (dense at a depth equal to the SFI memory).",
@@ -406,11 +440,14 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
-    p.set_defaults(func=_cmd_bench)
+    return p
 
 
-def _cmd_bench(args) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sfi-gguf bench ARGS`."""
     from .random_model import SHAPES, random_model
+
+    args = build_parser().parse_args(argv)
 
     shape, weight_type = "", ""
     model = args.model
@@ -446,7 +483,7 @@ def _cmd_bench(args) -> int:
         Path(args.markdown).write_text(markdown_table(rows) + "\n")
     out = args.json
     if out is None:
-        results = Path(__file__).resolve().parent.parent / "benchmarks" / "results"
+        results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
         if results.is_dir():
             kind = "gpu" if args.n_gpu_layers else "cpu"
             batch = f"-batch{args.batch}" if args.batch > 1 else ""

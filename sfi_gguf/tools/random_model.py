@@ -199,7 +199,7 @@ def write_random_gguf(path: Path, spec: RandomModelSpec) -> Path:
     if spec.vocab == "copy":
         source = Path(spec.vocab_source) if spec.vocab_source else None
         if source is None:
-            from .models import ensure_model
+            from ..models import ensure_model
             source = Path(ensure_model())
         n_vocab = _copy_tokenizer(writer, source)
     else:
@@ -290,7 +290,7 @@ def write_vocab_only(path: Path, source: Path | None = None) -> Path:
     import gguf
 
     if source is None:
-        from .models import ensure_model
+        from ..models import ensure_model
         source = Path(ensure_model())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 length with facts inserted at chosen depths, and turning a case into prompt tokens for chat
 (instruct) and base models alike.
 
-Haystacks come from `sfi_gguf.texts` (Python's documentation prose, shippable). The cases of one
+Haystacks come from `sfi_gguf.tools.texts` (Python's documentation prose, shippable). The cases of one
 context length share one haystack, so consecutive cases share a long cached prefix (everything
 before the shallowest inserted fact) and the runner's prefix reuse skips re-prefilling it.
 """

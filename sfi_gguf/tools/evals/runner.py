@@ -22,14 +22,14 @@ from pathlib import Path
 
 import numpy as np
 
-from .._progress import Progress
-from ..config import K_HEAD_GRANULE, SFIConfig
+from ..._progress import Progress
+from ...config import K_HEAD_GRANULE, SFIConfig
 from ..provenance import git_commit
 from . import common, cot, longgen, needle, variables
 
 POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot)}
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @dataclass(frozen=True)
@@ -161,7 +161,7 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
     already in `out` are kept and their (case, policy) pairs are not run again.
     `models`, `tasks`: run only these names of the suite.
     """
-    from ..llama import SFILlama
+    from ...llama import SFILlama
 
     name = suite if isinstance(suite, str) else "custom"
     suite = SUITES[suite] if isinstance(suite, str) else suite

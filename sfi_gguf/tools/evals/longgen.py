@@ -3,7 +3,7 @@
 A natural-text prompt (raw continuation, no chat template) of `context` tokens, and the
 `n_steps` tokens of the same text that follow it as the reference continuation. Dense and every
 policy are teacher-forced through that held-out text and compared step by step
-(`sfi_gguf.agreement`: top-1 agreement with dense's argmax and KL(dense || policy), per 100 tokens).
+(`sfi_gguf.tools.agreement`: top-1 agreement with dense's argmax and KL(dense || policy), per 100 tokens).
 Natural text rather than dense's own greedy continuation: the greedy one falls into a repetition
 loop after a few hundred tokens, which any recent window reproduces, so every policy scored ~99.8%.
 The dense pass is run once per case and shared by all policies.
