@@ -22,11 +22,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sfi_gguf.provenance import git_commit  # noqa: E402
+from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.agreement import agreement_with, dense_reference  # noqa: E402
+from sfi_gguf.tools.agreement import agreement_with, dense_reference  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.texts import natural_text  # noqa: E402
+from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 # named Selector settings (SFIConfig fields)
 SELECTORS = {

@@ -25,13 +25,13 @@ import numpy as np
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from sfi_gguf.provenance import git_commit  # noqa: E402
+from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.agreement import kl_top_n, log_softmax  # noqa: E402
+from sfi_gguf.tools.agreement import kl_top_n, log_softmax  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.native import SFINative  # noqa: E402
 from sfi_gguf.selector import AttentionExport, CandidateRange, assemble_memory, make_selector  # noqa: E402
-from sfi_gguf.texts import natural_text  # noqa: E402
+from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 # name -> (selector, k_head, lag in steps, extra selector options)
 PAPER = {"nms_strength": 1.0, "pool_window": 0}  # the paper's Selector (soft-NMS on, no pooling)
@@ -48,7 +48,7 @@ VARIANTS = {
 
 
 def kl_top(logp: np.ndarray, logq: np.ndarray, top_n: int = 64) -> float:
-    """KL(p || q) over p's top_n tokens plus the rest as one bucket (the metric of sfi_gguf.agreement)."""
+    """KL(p || q) over p's top_n tokens plus the rest as one bucket (the metric of sfi_gguf.tools.agreement)."""
     top = np.argpartition(logp, -top_n)[-top_n:]
     return kl_top_n(logp[top], logq[top])
 

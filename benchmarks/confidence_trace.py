@@ -5,7 +5,7 @@ bench times random-weight models, which are never sure, so there the rule fires 
 policy's worst case. This script decodes the same forced continuations (the bench's text, tokenizer and
 depths) with the real default model, densely on the CPU, each after the `--context` tokens of text before
 it (the model's own context is 32K; the bench's depths go to 128K), and writes every step's top-1
-probability. The bench replays them (`policy.ReplayedConfidence`) and checks that the forced tokens match.
+probability. The bench replays them (`tools.bench.ReplayedConfidence`) and checks that the forced tokens match.
 
     python3 benchmarks/confidence_trace.py --out benchmarks/data/confidence-trace-qwen2.5-coder-0.5b.json
 
@@ -26,11 +26,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sfi_gguf.bench import DEFAULT_DEPTHS, forced_tokens_digest, text_tokens  # noqa: E402
+from sfi_gguf.tools.bench import DEFAULT_DEPTHS, forced_tokens_digest, text_tokens  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.llama import SFILlama  # noqa: E402
 from sfi_gguf.policy import top1_probability  # noqa: E402
-from sfi_gguf.texts import text_source  # noqa: E402
+from sfi_gguf.tools.texts import text_source  # noqa: E402
 
 
 def use_pydoc_topics(path: Path) -> None:

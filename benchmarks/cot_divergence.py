@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.agreement import agreement_with, dense_reference  # noqa: E402
+from sfi_gguf.tools.agreement import agreement_with, dense_reference  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.evals import cot  # noqa: E402
-from sfi_gguf.evals.runner import k_head_for  # noqa: E402
+from sfi_gguf.tools.evals import cot  # noqa: E402
+from sfi_gguf.tools.evals.runner import k_head_for  # noqa: E402
 
 #: name -> SFIConfig changes against the eval's setting (policy punctuation, k_head 64, recent 32)
 VARIANTS = {

@@ -17,7 +17,7 @@ A step is llama_decode of one token plus reading its logits (which waits for the
     python benchmarks/native_step_bench.py                         # random Qwen3-4B shape, CPU
     python benchmarks/native_step_bench.py --ngl 99 --ctx 32768    # CUDA
     python benchmarks/native_step_bench.py --model qwen3-0.6b --ctx 8192 --steps 8
---model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES.
+--model takes a GGUF path or a name of sfi_gguf.tools.random_model.SHAPES.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sfi_gguf._native import llama_cpp  # noqa: E402  (loads the patched library)
 from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative, STATUS_LAST_FAST  # noqa: E402
-from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
+from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
 from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
 
 
@@ -116,7 +116,7 @@ def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, gr
             raise SystemExit("the slow step ran no device Selector")
         if load == "native":  # as SFIStepper does
             sfi.load_selection()
-        else:  # the host's way before API v8: sink and recent cells from the positions, the selection checked again
+        else:  # through the host: sink and recent cells from the positions, the selection checked again
             pos = sfi.cell_pos()
             sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
             sfi.set_selection(sel, shared=np.concatenate([sink, recent]))

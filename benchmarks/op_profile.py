@@ -11,7 +11,7 @@ ops are unnamed, so they show up under their op (CONCAT, POOL_2D, TOP_K, ARGSORT
     python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 131072          # on the GPU machine
     python benchmarks/op_profile.py --model qwen3-0.6b --ctx 4096 --kinds slow       # CPU, small
     python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 32768 --batch 16 # a slow group of 16
---model takes a GGUF path or a name of sfi_gguf.random_model.SHAPES. With --batch B, B sequences of --ctx
+--model takes a GGUF path or a name of sfi_gguf.tools.random_model.SHAPES. With --batch B, B sequences of --ctx
 tokens each (one KV stream each) take every step together, one token each, as a batched group does.
 """
 from __future__ import annotations
@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sfi_gguf._native import LIB_PATH, llama_cpp  # noqa: E402  (loads the patched library)
 from sfi_gguf.context import LlamaContext  # noqa: E402
 from sfi_gguf.native import SFINative  # noqa: E402
-from sfi_gguf.random_model import SHAPES, random_model  # noqa: E402
+from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
 from sfi_gguf.selector import SFISelector  # noqa: E402
 
 

@@ -4,8 +4,8 @@
 Each file is one run (a list of rows, one per depth); rows of several files are merged, later files
 winning at equal (model, depth), so a default run and a "SFI at every depth" run can share a plot:
 
-    python3 benchmarks/plot_bench.py benchmarks/results/bench-h200-qwen3-4b-f16-sfi-everywhere-20261129.json \
-        --out benchmarks/results/bench-h200-qwen3-4b-f16.png
+    python3 benchmarks/plot_bench.py benchmarks/results/bench-h200-qwen3-4b-f16-trace-20261130.json \
+        benchmarks/results/bench-h200-qwen3-4b-f16-32768-trace-20261130.json --out benchmarks/results/bench-h200-qwen3-4b-f16-trace.png
 """
 from __future__ import annotations
 

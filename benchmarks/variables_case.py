@@ -18,9 +18,9 @@ sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.evals import common, variables  # noqa: E402
-from sfi_gguf.evals.runner import k_head_for  # noqa: E402
-from sfi_gguf.provenance import git_commit  # noqa: E402
+from sfi_gguf.tools.evals import common, variables  # noqa: E402
+from sfi_gguf.tools.evals.runner import k_head_for  # noqa: E402
+from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 
 
 def main() -> int:

@@ -1,6 +1,6 @@
 """Question answering over a long document with Slow-Fast Inference.
 
-The document is natural English prose shipped with Python (sfi_gguf.texts) with one fact planted in
+The document is natural English prose shipped with Python (sfi_gguf.tools.texts) with one fact planted in
 the middle; the model reads all of it and answers a question about the fact. The context is long
 enough for SFI to select a sparse memory: most answer tokens are fast steps that read only that memory.
 
@@ -10,8 +10,8 @@ import argparse
 import time
 
 from sfi_gguf import SFILlama
-from sfi_gguf.cli import format_sfi_stats
-from sfi_gguf.texts import natural_text
+from sfi_gguf.sfi import format_sfi_stats
+from sfi_gguf.tools.texts import natural_text
 
 FACT = "The archive room on the third floor is opened with the access code 4817."
 QUESTION = "According to the document, what is the access code of the archive room?"

@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.texts import natural_text  # noqa: E402
+from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("-m", "--model", default=None)

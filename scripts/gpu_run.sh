@@ -50,7 +50,7 @@ if [[ " $stages " == *" diag "* ]]; then
     cat "$OUT"/ld.* 2>/dev/null | grep -E "_M_insert|do_unshift" | head -8; rm -f "$OUT"/ld.*
 fi
 model() {  # random-weight model of a named shape carrying the default model's tokenizer (.gpu/vocab.gguf)
-    python3 -m sfi_gguf.random_model "$1" --weight-type "$2" --vocab-source "$PWD/.gpu/vocab.gguf" | tail -1
+    python3 -m sfi_gguf.tools.random_model "$1" --weight-type "$2" --vocab-source "$PWD/.gpu/vocab.gguf" | tail -1
 }
 if [[ " $stages " == *" tests "* ]]; then
     log "native tests on the GPU"

@@ -21,6 +21,6 @@ rm -rf "$tmp"
 # llama-cpp-python: Python bindings only (our package provides the library)
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w .gpu/wheels
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0
-"$PY" -m sfi_gguf.random_model --write-vocab-only .gpu/vocab.gguf
+"$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
 git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: git rev-parse HEAD > .gpu/COMMIT
 du -sh .gpu .gpu/*

@@ -2,6 +2,7 @@
 __version__ = "0.1.0"
 
 from ._native import NativeLibraryError, native_info  # noqa: E402  (loads the patched library first)
+from . import _log  # noqa: E402,F401  (llama.cpp's log: verbose only)
 from .generate import Completion, GenerationStats  # noqa: E402
 from .llama import SFILlama  # noqa: E402
 from .models import ensure_model  # noqa: E402

@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from .sfi import format_sfi_stats
+
 HELP = "commands: /reset forgets the conversation, /quit (or end of input) leaves, /help shows this"
 
 
@@ -16,8 +18,6 @@ def chat_loop(llm, system: str | None = None, max_tokens: int = 512, stats: bool
               stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
               **sampling) -> int:
     """Run the conversation until /quit or end of input; `sampling` goes to `SFILlama.generate`."""
-    from .cli import format_sfi_stats
-
     if llm.context.chat_template() is None:
         raise ValueError(f"{llm.model_path.name} has no chat template; use `sfi-gguf run` for plain text")
     interactive = stdin.isatty()

@@ -2,10 +2,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 import textwrap
 from pathlib import Path
+
+# The benchmark and evaluation tooling (sfi_gguf.tools): each verb's module parses its own options
+# (`main(argv)`) and is imported only when that verb runs.
+TOOLS = {
+    "eval": ("sfi_gguf.tools.evals.command",
+             "quality evaluation: every policy against dense at equal budget (needle, variables, ...)"),
+    "bench": ("sfi_gguf.tools.bench", "decode speed, dense vs SFI in one process, at several context depths"),
+}
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -53,25 +62,9 @@ def _sfi_from_args(args: argparse.Namespace):
                      confidence_floor=args.confidence_floor)
 
 
-def format_sfi_stats(s) -> str:
-    """One block of text for an SFIStats (CLI --stats and `run`)."""
-    steps = s.n_fast + s.n_slow + s.n_dense
-    if not s.k_head and not s.n_fast:
-        return (f"SFI: policy {s.policy}: the context stayed below sink + k_head + recent, "
-                f"all {steps} steps dense ({s.t_dense:.2f} s)")
-    lines = [f"SFI: policy {s.policy}, selector {s.selector}, k_head {s.k_head}, memory {s.budget} cells/head "
-             f"after a refresh",
-             f"  steps: {s.n_fast} fast, {s.n_slow} slow (+{s.n_bootstrap} bootstrap), {s.n_dense} dense"
-             + (f", {s.n_fell_back} fell back to dense" if s.n_fell_back else "")
-             + (f", {s.n_cheap_refresh} recent-window refreshes" if s.n_cheap_refresh else ""),
-             f"  slow-step reasons: {s.reasons or '-'}; mean refresh overlap {s.mean_overlap:.2f}",
-             f"  time: fast {s.t_fast:.2f} s, slow {s.t_slow:.2f} s, selector {s.t_selector:.2f} s, "
-             f"dense {s.t_dense:.2f} s ({steps} steps)"]
-    return "\n".join(lines)
-
-
 def _cmd_run(args: argparse.Namespace) -> int:
     from .llama import SFILlama
+    from .sfi import format_sfi_stats
 
     prompt = args.prompt
     if args.file:
@@ -225,17 +218,17 @@ def build_parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="show the loaded llama.cpp library and its build")
     info.set_defaults(func=_cmd_info)
 
-    from .evals.command import add_eval_parser
-    add_eval_parser(sub)
-
-    from .bench import add_bench_parser
-    add_bench_parser(sub)
+    for name, (_, help_text) in TOOLS.items():  # listed here, parsed by their module (see `main`)
+        sub.add_parser(name, help=help_text, add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv and argv[0] in TOOLS:
+            return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except (ValueError, OSError, MemoryError) as exc:  # OSError: a missing file, a port in use
         print(f"sfi-gguf: error: {exc}", file=sys.stderr)

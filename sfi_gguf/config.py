@@ -2,7 +2,8 @@
 
 Defaults follow SPEC section 2 and the authors' reference code (design/sfi-paper-notes.md). The
 object is pure data: the trigger policy and the Selector are built from it by name
-(`policy.make_policy`, `selector.make_selector`), so a new strategy only needs a new name here.
+(`policy.make_policy`, `selector.make_selector`), so a new strategy is a class registered in
+`policy.py` or `selector.py`, with its parameters as fields here.
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
+
+from .policy import POLICIES  # registries: a new policy or selector class is valid here at once
+from .selector import SELECTORS
 
 #: k_head when it is scaled to the context: never above this (the throughput setting of the paper).
 K_HEAD_LONG_CONTEXT = 2048
@@ -164,9 +168,6 @@ class SFIConfig:
              "must be an integer >= 1")
         need(_is_int(self.selection_delay) and self.selection_delay >= 0, "selection_delay",
              "must be an integer >= 0")
-        from .policy import POLICIES  # registries: a new policy or selector class is valid here at once
-        from .selector import SELECTORS
-
         need(self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
         need(self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
         need(_is_real(self.alpha) and 0 < self.alpha < math.inf, "alpha", "must be a finite number > 0")

@@ -17,15 +17,14 @@ Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
 
 # With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
-# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Session 11":
-# at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for Qwen3-8B Q4_K_M, 1.02x).
+# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Where SFI
+# starts on a GPU": at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for
+# Qwen3-8B Q4_K_M, 1.02x).
 GPU_MIN_CONTEXT = 32768
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise). It was 128K while a batch's slow group cost more than its
-# fast steps saved at 32K (0.69x at 16 x 32K, patch 0009); since the slow step gathers every stream and
-# layer at once (patches 0019-0023) the H200 measured 1.28x batched dense at 16 x 32K and 2.05x at
-# 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
+# (unless SFIConfig.min_context says otherwise): the H200 measured 1.28x batched dense at 16 x 32K and
+# 2.05x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
 GPU_BATCHED_MIN_CONTEXT = 32768
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
@@ -184,7 +183,7 @@ class SFILlama:
         if self.n_gpu_layers and config.min_context is None:
             # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
             # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU", "Session 11")
+            # H200 (BENCHMARKS.md, "Speed on the GPU")
             return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
         return config
 

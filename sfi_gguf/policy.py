@@ -24,14 +24,12 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
 from .boundary import BoundaryDetector, PieceTable
 
-if TYPE_CHECKING:
-    from .config import SFIConfig
 
 
 class MemoryMode(str, Enum):
@@ -110,8 +108,9 @@ class TriggerPolicy(ABC):
         """Why the step decoding `token` is slow, or None; `steps_since_refresh` counts this step."""
 
     @classmethod
-    def from_config(cls, config: SFIConfig, pieces: PieceTable | Sequence[bytes | str] | None) -> TriggerPolicy:
-        """Build from the config's parameters; `pieces` is the vocabulary, for policies that read text."""
+    def from_config(cls, config, pieces: PieceTable | Sequence[bytes | str] | None) -> TriggerPolicy:
+        """Build from the parameters of `config` (an `SFIConfig`); `pieces` is the vocabulary, for policies
+        that read text."""
         return cls()
 
     @classmethod
@@ -139,9 +138,9 @@ def policy_names() -> tuple[str, ...]:
     return tuple(POLICIES)
 
 
-def make_policy(config: SFIConfig, pieces: PieceTable | Sequence[bytes | str] | None = None,
+def make_policy(config, pieces: PieceTable | Sequence[bytes | str] | None = None,
                 name: str | None = None) -> TriggerPolicy:
-    """The policy named `name` (default: `config.policy`), with the config's parameters.
+    """The policy named `name` (default: `config.policy`), with the parameters of `config` (an `SFIConfig`).
 
     `pieces`: the vocabulary (a `PieceTable`, or every token's text in id order); only text-reading
     policies need it. Building a `PieceTable` takes a fraction of a second: share one per model.
@@ -246,40 +245,6 @@ class PunctuationTmaxPolicy(TriggerPolicy):
         if self.steps_since_refresh >= self.refresh_interval:
             return "interval"
         return None
-
-
-class ReplayedConfidence:
-    """A policy whose confidence readings come from a recorded trace instead of the model at hand.
-
-    `sfi-gguf bench` times random-weight models, which are never sure of their next token, so the
-    low-confidence rule would fire at every chance (each `min_gap` steps): the worst case, not what a
-    trained model does on the same text. Given `top1[i]`, the top-1 probability a trained model gave
-    the i-th decoded token of this text (benchmarks/confidence_trace.py), the wrapped policy reads
-    that instead, so its triggers fall where they would with real weights. Everything else is the
-    wrapped policy's own.
-    """
-
-    def __init__(self, policy: TriggerPolicy, top1: Sequence[float]):
-        self.policy = policy
-        self.top1 = [float(p) for p in top1]
-        self._n_tokens = 0
-
-    def __getattr__(self, name):
-        return getattr(self.policy, name)
-
-    def reset(self, context: Sequence[int] = ()) -> None:
-        self.policy.reset(context)
-        self._n_tokens = 0
-
-    def observe_confidence(self, top1: float) -> None:
-        if self._n_tokens >= len(self.top1):
-            raise ValueError(f"the confidence trace covers {len(self.top1)} tokens; token {self._n_tokens + 1} "
-                             "asked for one")
-        self.policy.observe_confidence(self.top1[self._n_tokens])
-
-    def on_token(self, token: int) -> bool:
-        self._n_tokens += 1
-        return self.policy.on_token(token)
 
 
 @register_policy

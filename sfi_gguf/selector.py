@@ -32,12 +32,10 @@ import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .config import SFIConfig
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny
@@ -358,11 +356,11 @@ class Selector(ABC):
         """float32 [l, H, C] scores (higher = keep) of `cells` (candidates in position order) in `layers`."""
 
     @classmethod
-    def from_config(cls, config: SFIConfig) -> Selector:
+    def from_config(cls, config) -> Selector:
         return cls()
 
     def device_params(self, k_head: int, n_sink: int, n_recent: int) -> dict | None:
-        """`llama_sfi_selector_params` of the same selector run in the slow step's graph (patch 0008), or
+        """`llama_sfi_selector_params` of the same selector run in the slow step's graph, or
         None when this selector has no device version."""
         return None
 
@@ -453,8 +451,8 @@ def selector_names() -> tuple[str, ...]:
     return tuple(SELECTORS)
 
 
-def make_selector(config: SFIConfig, name: str | None = None) -> Selector:
-    """The selector named `name` (default: `config.selector`), with the config's parameters."""
+def make_selector(config, name: str | None = None) -> Selector:
+    """The selector named `name` (default: `config.selector`), with the parameters of `config` (an `SFIConfig`)."""
     name = config.selector if name is None else name
     if name not in SELECTORS:
         raise ValueError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")

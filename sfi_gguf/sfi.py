@@ -57,6 +57,23 @@ class SFIStats:
         return float(np.mean(self.refresh_overlap)) if self.refresh_overlap else float("nan")
 
 
+def format_sfi_stats(s: SFIStats) -> str:
+    """One block of text for an SFIStats (`sfi-gguf run`, `chat --stats`)."""
+    steps = s.n_fast + s.n_slow + s.n_dense
+    if not s.k_head and not s.n_fast:
+        return (f"SFI: policy {s.policy}: the context stayed below sink + k_head + recent, "
+                f"all {steps} steps dense ({s.t_dense:.2f} s)")
+    lines = [f"SFI: policy {s.policy}, selector {s.selector}, k_head {s.k_head}, memory {s.budget} cells/head "
+             f"after a refresh",
+             f"  steps: {s.n_fast} fast, {s.n_slow} slow (+{s.n_bootstrap} bootstrap), {s.n_dense} dense"
+             + (f", {s.n_fell_back} fell back to dense" if s.n_fell_back else "")
+             + (f", {s.n_cheap_refresh} recent-window refreshes" if s.n_cheap_refresh else ""),
+             f"  slow-step reasons: {s.reasons or '-'}; mean refresh overlap {s.mean_overlap:.2f}",
+             f"  time: fast {s.t_fast:.2f} s, slow {s.t_slow:.2f} s, selector {s.t_selector:.2f} s, "
+             f"dense {s.t_dense:.2f} s ({steps} steps)"]
+    return "\n".join(lines)
+
+
 class SFIStepper:
     """Decodes tokens with Slow-Fast Inference on one context (sequence 0)."""
 

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from sfi_gguf import _log
 from sfi_gguf._native import llama_cpp
 from test_native import GGML_TYPE_F16, Model, all_cells, run_pair  # tests/ is on sys.path (pytest's import mode)
 
@@ -44,7 +45,7 @@ def llama_log():
     try:
         yield pieces
     finally:
-        llama_cpp.llama_log_set(llama_cpp._logger.llama_log_callback, ctypes.c_void_p(0))
+        _log.install()
 
 
 def buffer_names(log: list[str], what: str) -> set[str]:

@@ -7,7 +7,7 @@ import pytest
 from sfi_gguf import SFILlama, ensure_model, openai_api  # first: points llama_cpp at the patched library
 from llama_cpp import llama_types  # noqa: E402,I001
 from sfi_gguf.config import SFIConfig
-from sfi_gguf.texts import natural_text
+from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
 

@@ -10,7 +10,7 @@ import pytest
 
 from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 
 LENGTHS = (300, 420, 250, 380)  # 4 prompts, 3 slots: the last waits for a free one
 # the 250-token prompt decodes densely until its context reaches 280 (then a slow step), so its steps

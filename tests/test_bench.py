@@ -3,12 +3,12 @@ import json
 
 import pytest
 
-from sfi_gguf.bench import (
+from sfi_gguf.tools.bench import (
     forced_tokens_digest, load_confidence_trace, run_bench, text_tokens, trace_top1,
 )
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 
 DEPTH, N_DECODE = 768, 48
 
@@ -74,7 +74,7 @@ def test_a_committed_trace_matches_the_bench_text_of_this_python(model):
     tokens the bench decodes."""
     from pathlib import Path
 
-    from sfi_gguf.texts import text_source
+    from sfi_gguf.tools.texts import text_source
 
     traces = [load_confidence_trace(p) for p in
               (Path(__file__).resolve().parent.parent / "benchmarks" / "data").glob("confidence-trace-*.json")]

@@ -14,7 +14,7 @@ import pytest
 from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
@@ -319,7 +319,7 @@ def test_generation_with_the_device_selector_follows_the_numpy_selector(tmp_path
 
     from sfi_gguf import SFILlama, cli
     from sfi_gguf.config import SFIConfig
-    from sfi_gguf.random_model import random_model
+    from sfi_gguf.tools.random_model import random_model
 
     path = random_model("tiny-llama")
     llm = SFILlama(str(path), n_ctx=2048, n_threads=1)
@@ -396,7 +396,7 @@ def test_generation_refreshing_one_group_of_layers_at_a_time():
     later ones one group in turn; decoding runs sparse throughout."""
     from sfi_gguf import SFILlama
     from sfi_gguf.config import SFIConfig
-    from sfi_gguf.random_model import random_model
+    from sfi_gguf.tools.random_model import random_model
 
     llm = SFILlama(str(random_model("tiny-llama")), n_ctx=2048, n_threads=1)
     try:

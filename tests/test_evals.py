@@ -1,13 +1,13 @@
-"""Quality evaluation (sfi_gguf.evals): case generation and scoring without a model, then the
+"""Quality evaluation (sfi_gguf.tools.evals): case generation and scoring without a model, then the
 `--quick` suite end to end on the default model (CI: about two minutes on 2 CPU cores)."""
 import json
 import re
 
 import pytest
 
-from sfi_gguf.evals import common, cot, longgen, needle, variables
-from sfi_gguf.evals.report import markdown_table
-from sfi_gguf.evals.runner import POLICIES, aggregate, k_head_for
+from sfi_gguf.tools.evals import common, cot, longgen, needle, variables
+from sfi_gguf.tools.evals.report import markdown_table
+from sfi_gguf.tools.evals.runner import POLICIES, aggregate, k_head_for
 
 
 class WordTokenizer:
@@ -115,7 +115,7 @@ def test_budget_and_table():
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_quick_suite_runs_every_policy_and_dense_solves_the_needles(tmp_path):
-    from sfi_gguf.evals import run_suite
+    from sfi_gguf.tools.evals import run_suite
 
     out = tmp_path / "eval-quick.json"
     data = run_suite("quick", out, n_threads=2)

@@ -30,7 +30,7 @@ import pytest
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.native import SFINative
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 
 THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))
 SEED = int(os.environ.get("SFI_FUZZ_SEED", "7"))

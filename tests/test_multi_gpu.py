@@ -16,7 +16,7 @@ import pytest
 from sfi_gguf import devices
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 from placement import SPLIT_LAYER, PlacedModel, all_cells_equal_dense, buffer_names, llama_log
 
 GPUS = devices.gpu_count()
@@ -54,7 +54,7 @@ def test_layer_split_all_cells_equals_dense(flash_attn):
 @need_2_gpus
 def test_layer_split_generation_equals_one_gpu():
     """SFILlama greedy generation, SFI on with a small memory (fast steps really run): 2 GPUs == 1 GPU."""
-    from sfi_gguf.texts import natural_text
+    from sfi_gguf.tools.texts import natural_text
 
     model = random_model("tiny-qwen3", n_layer=6, vocab="copy", vocab_source=os.environ.get("SFI_VOCAB_SOURCE", ""))
     config = SFIConfig(k_head=64, n_sink=4, n_recent=32, min_context=0)  # SFI also below GPU_MIN_CONTEXT

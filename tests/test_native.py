@@ -1,6 +1,6 @@
 """Native SFI patch: compact-view FAST steps, SLOW-step export, invalidation, error handling.
 
-Most tests use tiny random-weight GGUFs (sfi_gguf.random_model) on the CPU backend; the references are
+Most tests use tiny random-weight GGUFs (sfi_gguf.tools.random_model) on the CPU backend; the references are
 a second, dense context fed the same tokens, dense decoding after llama_memory_seq_rm, and numpy
 computations from tensors observed with cb_eval. Tests marked real_model use the default model.
 Set SFI_TEST_NGL=99 to run them with the layers offloaded (CUDA build).
@@ -17,7 +17,7 @@ from sfi_gguf import _native
 from sfi_gguf._native import lib, llama_cpp
 from sfi_gguf import native
 from sfi_gguf.native import SFIError, SFINative
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 
 # one thread: the models are tiny, and OpenMP spin-waits badly when the 2 cores of CI are shared
 THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))

@@ -1,4 +1,5 @@
-"""The build, the library check at import, and model assembly."""
+"""The build, the library check at import, the package's import structure, and model assembly."""
+import ast
 import os
 import shutil
 import subprocess
@@ -9,7 +10,9 @@ import pytest
 
 import sfi_gguf
 from sfi_gguf import _native
+from sfi_gguf.context import LlamaContext
 from sfi_gguf.models import KNOWN_MODELS, ensure_model, resolve_model_path
+from sfi_gguf.tools.random_model import random_model
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -44,11 +47,76 @@ def test_llama_cpp_imported_after_us_uses_our_library(tmp_path):
     assert result.stdout.strip() == "ok"
 
 
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the package's modules it imports anywhere in its source (in functions too); packages'
+    `__init__` left out (every submodule import runs it)."""
+    modules = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        modules[".".join(parts[:-1] if is_package else parts)] = (path, is_package)
+    graph = {}
+    for name, (path, is_package) in modules.items():
+        here = name.split(".") if is_package else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                package = here[:len(here) - node.level + 1] if node.level else []
+                base = ".".join(package + ([node.module] if node.module else []))
+                for alias in node.names:  # `from . import x`: x is a module or a name in the package
+                    targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+        graph[name] = {t for t in targets if t in modules and t != name and not modules[t][1]}
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), list(graph[start])
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(graph[module])
+    return seen
+
+
+def test_no_import_circles_and_only_the_tooling_imports_the_tooling():
+    graph = import_graph(REPO / "sfi_gguf")
+    assert "sfi_gguf.config" in graph["sfi_gguf.sfi"] and "sfi_gguf.tools.texts" in graph["sfi_gguf.tools.bench"]
+    assert [m for m in graph if m in reachable(graph, m)] == []
+    library = [m for m in graph if not m.startswith("sfi_gguf.tools")]
+    assert [(m, t) for m in library for t in graph[m] if t.startswith("sfi_gguf.tools")] == []
+
+
+def test_the_library_and_the_cli_load_no_tooling():
+    code = ("import sys, sfi_gguf, sfi_gguf.cli, sfi_gguf.server, sfi_gguf.chat, sfi_gguf.slots\n"
+            "sfi_gguf.cli.build_parser()\n"
+            "print(sorted(m for m in sys.modules if m.startswith('sfi_gguf.tools')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
 def test_prepare_script_refuses_a_tree_without_llama_h(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "native" / "prepare_llama_cpp.py"), "--dest",
                              str(tmp_path / "out"), "--source", str(tmp_path)], capture_output=True, text=True)
     assert result.returncode != 0
     assert "not a llama.cpp tree" in result.stderr
+
+
+@pytest.mark.real_model
+def test_llama_cpp_logs_only_when_verbose(capfd):
+    # the default model's vocabulary makes llama.cpp warn at every load ("control-looking token")
+    path = random_model("tiny-qwen3", n_layer=2, vocab="copy")
+    for verbose in (False, True):
+        LlamaContext(path, n_ctx=256, n_gpu_layers=0, n_threads=1, n_batch=64, flash_attn=True,
+                     verbose=verbose).close()
+        if verbose:
+            log = capfd.readouterr().err
+            assert "control-looking token" in log and "llama_model_loader" in log
+        else:
+            assert capfd.readouterr().err == ""
 
 
 @pytest.mark.real_model

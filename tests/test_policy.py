@@ -7,9 +7,10 @@ import pytest
 from sfi_gguf.boundary import PieceTable
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.policy import (
-    POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, ReplayedConfidence, SinkRecentPolicy,
-    StaticPolicy, make_policy, policy_names, top1_probability,
+    POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, SinkRecentPolicy, StaticPolicy,
+    make_policy, policy_names, top1_probability,
 )
+from sfi_gguf.tools.bench import ReplayedConfidence
 
 PIECES = ["Hello", " world", ".", " It", " is", " fine", "\n\n", "!", " ok", "?", " Yes", ".\n", " the", "3",
           "14", "\n", " end", "The", ".\n\n", "?\n\n", " a", "", " "]

@@ -3,7 +3,7 @@
 A local inference library runs inside the user's process: bad input must raise a clear Python
 exception (naming the parameter) and leave nothing half-initialised behind; an interrupted or
 superseded generation must leave the object usable, with the same output as a fresh object; and the
-same seed and config must give the same tokens. Tiny random-weight models (sfi_gguf.random_model) keep
+same seed and config must give the same tokens. Tiny random-weight models (sfi_gguf.tools.random_model) keep
 this fast; SFI is made active at their small contexts with a small budget.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ from sfi_gguf import SFILlama
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.context import ContextError
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 
 THREADS = 1
 N_CTX = 512

@@ -19,7 +19,7 @@ import pytest
 from sfi_gguf import devices
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
 

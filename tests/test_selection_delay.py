@@ -5,7 +5,7 @@ import pytest
 from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.sfi import SFIStepper
-from sfi_gguf.texts import natural_text
+from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
 

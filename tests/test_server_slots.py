@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 from serving import running_server
 
 SFI = {"k_head": 32, "n_recent": 32, "n_sink": 4, "min_context": 0, "policy": "fixed", "fixed_period": 8}

@@ -6,9 +6,9 @@ reused between them (prefix reuse), so the ~3.7K-token prefill is paid once.
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.agreement import agreement_with, compare_with_dense, dense_reference
+from sfi_gguf.tools.agreement import agreement_with, compare_with_dense, dense_reference
 from sfi_gguf.config import SFIConfig
-from sfi_gguf.texts import natural_text
+from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
 

@@ -1,0 +1,493 @@
+"""`sfi-gguf bench`: decode speed of SFI against dense decoding, same process, same context.
+
+For every depth D the context holds D tokens of natural text. Then N tokens of the text's own
+continuation are decoded teacher-forced (each step feeds the text's next token, so sentence-start
+triggers fire as they would in real text; each step still takes the greedy argmax a real decode
+takes): once densely and once with SFI, one after the other on the same KV cache (the prompt is
+prefilled once and reused). The ceiling is dense decoding at a depth equal to the SFI memory
+(sink + k_head + recent): a fast step cannot be cheaper than that.
+
+Random-weight models in the shape of a real one (`random_model.SHAPES`) carry the default model's
+tokenizer, so text, boundaries and triggers are those of real text; weights do not change the time.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..config import SFIConfig
+from ..policy import TriggerPolicy
+from .provenance import git_commit
+
+DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
+
+
+@dataclasses.dataclass
+class BenchRow:
+    """One depth: dense vs SFI decode speed from one run (JSON row of benchmarks/results)."""
+
+    hardware: str
+    model: str
+    model_shape: str
+    weight_type: str
+    depth: int
+    k_head: int
+    budget: int
+    decoded_tokens: int
+    dense_tok_s: float
+    sfi_tok_s: float
+    ceiling_tok_s: float
+    ratio: float
+    slow_steps: int
+    fast_steps: int
+    dense_steps: int
+    t_fast_s: float
+    t_slow_s: float
+    t_selector_s: float
+    t_python_s: float
+    flash_attn: bool
+    n_gpu_layers: int
+    n_threads: int
+    policy: str
+    git_commit: str
+    batch: int = 1
+    split_mode: str = "layer"
+    n_gpus: int = 0                # GPUs holding layers (llama.cpp's device count; 0 on the CPU)
+    selection_delay: int = 0       # > 0: the Selector ran in a background thread, overlapped with fast steps
+    t_selector_background_s: float = 0.0  # its time there (not on the decoding thread)
+    min_context: int = 0           # SFI below this context decodes densely
+    device_selector: bool = False  # the Selector ran in the slow step's graph (when it had candidates)
+    refresh_layer_groups: int = 1  # > 1: a device-Selector refresh renewed one group of layers in turn
+    slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
+    confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
+
+
+def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
+    if n_gpu_layers:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                 text=True, timeout=10)
+            if out.returncode == 0 and out.stdout.strip():
+                name = out.stdout.strip().splitlines()[0]
+                return f"{n_gpus}x {name}" if n_gpus > 1 else name
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return f"CPU {platform.processor() or platform.machine()}"
+
+
+def text_tokens(llm, n_tokens: int, seed: int = 0) -> list[int]:
+    """At least n_tokens tokens of natural prose (the prompt and its forced continuation)."""
+    from .texts import natural_text
+
+    n_chars = 5 * n_tokens + 4096
+    while True:
+        tokens = llm.tokenize(natural_text(n_chars, seed=seed))
+        if len(tokens) >= n_tokens:
+            return tokens[:n_tokens]
+        n_chars *= 2
+
+
+def forced_tokens_digest(tokens: Sequence[int]) -> str:
+    """Names a forced continuation, so that a confidence trace is replayed only on the tokens it was taken on."""
+    import hashlib
+
+    return hashlib.sha256(np.asarray(tokens, dtype=np.int32).tobytes()).hexdigest()
+
+
+def load_confidence_trace(path: str | Path) -> dict:
+    """A trace written by benchmarks/confidence_trace.py: per depth, a trained model's top-1 probabilities."""
+    trace = json.loads(Path(path).read_text())
+    if not isinstance(trace, dict) or not isinstance(trace.get("depths"), dict) or "model" not in trace:
+        raise ValueError(f"{path}: not a confidence trace (benchmarks/confidence_trace.py writes them)")
+    return trace
+
+
+def trace_top1(trace: dict, depth: int, forced: Sequence[int]) -> list[float]:
+    """The trace's top-1 probabilities for the continuation `forced` at `depth`; an error if it has none."""
+    entry = trace["depths"].get(str(depth))
+    if entry is None:
+        raise ValueError(f"the confidence trace has no depth {depth} (it has {', '.join(trace['depths'])})")
+    if entry["forced_sha256"] != forced_tokens_digest(forced) or len(entry["top1"]) < len(forced):
+        from .texts import text_source
+
+        raise ValueError(f"the confidence trace at depth {depth} was taken on other tokens (another text, "
+                         f"tokenizer or length; its text: {trace.get('text_source', '?')}, this one's: "
+                         f"{text_source()}): record it with benchmarks/confidence_trace.py, with --pydoc-topics "
+                         "for another Python's text")
+    return entry["top1"]
+
+
+class ReplayedConfidence:
+    """A policy whose confidence readings come from a recorded trace instead of the model at hand.
+
+    This bench times random-weight models, which are never sure of their next token, so the
+    low-confidence rule would fire at every chance (each `min_gap` steps): the worst case, not what a
+    trained model does on the same text. Given `top1[i]`, the top-1 probability a trained model gave
+    the i-th decoded token of this text (benchmarks/confidence_trace.py), the wrapped policy reads
+    that instead, so its triggers fall where they would with real weights. Everything else is the
+    wrapped policy's own.
+    """
+
+    def __init__(self, policy: TriggerPolicy, top1: Sequence[float]):
+        self.policy = policy
+        self.top1 = [float(p) for p in top1]
+        self._n_tokens = 0
+
+    def __getattr__(self, name):
+        return getattr(self.policy, name)
+
+    def reset(self, context: Sequence[int] = ()) -> None:
+        self.policy.reset(context)
+        self._n_tokens = 0
+
+    def observe_confidence(self, top1: float) -> None:
+        if self._n_tokens >= len(self.top1):
+            raise ValueError(f"the confidence trace covers {len(self.top1)} tokens; token {self._n_tokens + 1} "
+                             "asked for one")
+        self.policy.observe_confidence(self.top1[self._n_tokens])
+
+    def on_token(self, token: int) -> bool:
+        self._n_tokens += 1
+        return self.policy.on_token(token)
+
+
+def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) -> float:
+    """Prefill (reusing the cached prefix), then one step per forced token; seconds of decoding.
+
+    SFI statistics are reset after the prefill, so they cover the decoding only (the bootstrap
+    slow step belongs to the prompt)."""
+    ctx = llm.context
+    stepper.prefill(list(prompt))
+    if hasattr(stepper, "stats"):
+        s = stepper.stats
+        s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
+    t0 = time.perf_counter()
+    for token in forced:
+        int(np.argmax(ctx.last_logits()))  # the greedy pick a real decode makes (waits for the step)
+        stepper.step(int(token))
+    int(np.argmax(ctx.last_logits()))
+    return time.perf_counter() - t0
+
+
+def _budget(config: SFIConfig, depth: int) -> int:
+    """Cells a fast step reads right after a refresh at `depth`: the depth of the ceiling."""
+    return config.n_sink + config.resolve_k_head(depth) + config.n_recent
+
+
+def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | None, flash_attn: bool | None,
+          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1):
+    """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
+    `shared`: the row fields every depth has in common but the git commit and the hardware."""
+    from ..context import default_threads
+    from ..devices import gpu_count
+    from ..llama import SFILlama
+
+    config = config or SFIConfig(k_head=2048)
+    depths = sorted(int(d) for d in depths)
+    if flash_attn is None:  # the faster dense setting: flash attention on a GPU, plain attention on a CPU
+        flash_attn = n_gpu_layers != 0
+    llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
+                   n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
+                   n_parallel=n_parallel)
+    n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
+    effective = llm.effective_config(config, batched=n_parallel > 1)  # with the GPU defaults filled in
+    shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,
+                  n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
+                  batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
+                  min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
+                  refresh_layer_groups=effective.refresh_layer_groups)
+    return llm, config, depths, shared
+
+
+def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
+              n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
+              flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
+              split_mode: str = "layer", confidence_trace: dict | None = None,
+              log: Callable[[str], None] = print) -> list[BenchRow]:
+    """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
+
+    `confidence_trace` (`load_confidence_trace`): the trigger policy reads a trained model's confidence
+    on this text instead of the benchmarked model's (`ReplayedConfidence`)."""
+
+    llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
+                                        n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
+                                        split_mode=split_mode)
+    ctx = llm.context
+    try:
+        text = text_tokens(llm, depths[-1] + n_decode)
+        budget_depth = _budget(config, depths[-1])
+        # checked before any decoding: a trace of another text fails at once, not after an hour of prefill
+        replayed = {d: trace_top1(confidence_trace, d, text[d:d + n_decode]) for d in depths} if confidence_trace else {}
+
+        def dense_at(depth: int) -> float:
+            ctx.truncate(min(len(ctx.tokens), depth))
+            dense = llm._stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
+            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode])
+            ctx.truncate(depth)
+            return n_decode / seconds
+
+        ceiling = dense_at(budget_depth)
+        log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
+        rows = []
+        # once: nvidia-smi is a subprocess
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
+        for depth in depths:
+            t0 = time.perf_counter()
+            dense_tok_s = dense_at(depth)
+            log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
+            stepper = llm._stepper(config)
+            forced = text[depth:depth + n_decode]
+            if replayed and hasattr(stepper, "policy"):
+                stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
+            seconds = decode_forced(llm, stepper, text[:depth], forced)
+            ctx.truncate(depth)
+            s = stepper.stats if hasattr(stepper, "stats") else None
+            native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
+            row = BenchRow(
+                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
+                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
+                dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,
+                ratio=dense_tok_s and (n_decode / seconds) / dense_tok_s,
+                slow_steps=s.n_slow if s else 0, fast_steps=s.n_fast if s else 0, dense_steps=s.n_dense if s else 0,
+                t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
+                t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
+                t_selector_background_s=s.t_selector_background if s else 0.0,
+                slow_reasons=dict(s.reasons) if s else {},
+                confidence_source=f"trace: {confidence_trace['model']}" if confidence_trace else "model")
+            rows.append(row)
+            log(format_row(row))
+        return rows
+    finally:
+        llm.close()
+
+
+class ForcedTokens:
+    """A sampler for the batched loop that feeds a fixed continuation (teacher forcing); it still takes
+    the greedy argmax a real decode takes, which waits for the step."""
+
+    seed = 0
+    n_logprobs = None
+    logprobs = None
+
+    def __init__(self, tokens: Sequence[int]):
+        self.tokens = list(tokens)
+        self.i = 0
+
+    def sample(self, ctx) -> int:
+        int(np.argmax(ctx.last_logits()))
+        token = self.tokens[min(self.i, len(self.tokens) - 1)]
+        self.i += 1
+        return int(token)
+
+    def close(self) -> None:
+        pass
+
+
+def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", weight_type: str = "",
+                      depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
+                      n_threads: int | None = None, flash_attn: bool | None = None,
+                      config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
+                      log: Callable[[str], None] = print) -> list[BenchRow]:
+    """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
+    own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps)."""
+    from ..batched import Request
+
+    llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
+                                        n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
+                                        split_mode=split_mode, n_parallel=batch)
+    decoder = llm.batched_decoder()
+    try:
+        texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
+
+        def run(depth: int, cfg: SFIConfig) -> tuple[float, list]:
+            """One teacher-forced decode of n_decode tokens per sequence; (seconds of the steps, requests)."""
+            requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode]),
+                                max_tokens=n_decode + 1, ignore_eos=True, config=cfg) for t in texts]
+            for r in requests:
+                decoder.add(r)
+            decoder.reset_timing()
+            while decoder.active:
+                decoder.step()
+            return decoder.t_steps, requests
+
+        dense = SFIConfig(policy="dense")
+        budget_depth = _budget(config, depths[-1])
+        seconds, _ = run(budget_depth, dense)
+        ceiling = batch * n_decode / seconds
+        log(f"ceiling: dense at depth {budget_depth} (the SFI memory), batch {batch}: {ceiling:.1f} tok/s")
+        rows = []
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
+        for depth in depths:
+            t0 = time.perf_counter()
+            dense_s, _ = run(depth, dense)
+            log(f"depth {depth}: {batch} contexts ready and dense decoded in {time.perf_counter() - t0:.0f} s")
+            sfi_s, requests = run(depth, config)
+            stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
+            selector = sum(s.t_selector for s in stats)
+            decoded = sum(decoder.t_decode.values())
+            row = BenchRow(
+                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
+                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
+                dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
+                ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
+                dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
+                t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
+                t_python_s=max(0.0, sfi_s - decoded - selector),
+                t_selector_background_s=sum(s.t_selector_background for s in stats),
+                slow_reasons=dict(sum((Counter(s.reasons) for s in stats), Counter())))
+            rows.append(row)
+            log(format_row(row))
+        return rows
+    finally:
+        llm.close()  # closes its batched decoder too
+
+
+HEADER = ("| depth | dense tok/s | SFI tok/s | SFI/dense | ceiling tok/s | slow / fast steps | "
+          "time fast / slow / selector / Python (s) |")
+
+
+def format_row(r: BenchRow) -> str:
+    return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {r.ceiling_tok_s:.1f} | "
+            f"{r.slow_steps} / {r.fast_steps} | {r.t_fast_s:.2f} / {r.t_slow_s:.2f} / {r.t_selector_s:.2f} / "
+            f"{r.t_python_s:.2f} |")
+
+
+def markdown_table(rows: Sequence[BenchRow]) -> str:
+    if not rows:
+        return ""
+    r0 = rows[0]
+    batch = f"{r0.batch} sequences (aggregate tok/s), " if r0.batch > 1 else ""
+    head = (f"{r0.hardware}, {batch}{r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
+            f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
+            f"commit {r0.git_commit}")
+    sep = "|---" * (HEADER.count("|") - 1) + "|"
+    return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
+
+
+def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
+    return path
+
+
+# -- command line ----------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..policy import POLICIES
+    from .random_model import SHAPES, WEIGHT_TYPES
+
+    p = argparse.ArgumentParser(
+        prog="sfi-gguf bench",
+        description="Prefills D tokens of natural text, decodes N tokens teacher-forced on its continuation, "
+                    "densely and with SFI on the same cache, and prints tok/s, the ratio, the slow-step count, "
+                    "the time split and the ceiling (dense at a depth equal to the SFI memory).",
+        epilog="examples:\n  sfi-gguf bench -ngl 99                                   # Qwen3-4B shape, F16, "
+               "8K..128K\n  sfi-gguf bench -m qwen2.5-coder-0.5b-instruct --depths 4096 16384 -t 2   # CPU",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="qwen3-4b",
+                   help=f"a random-weight shape ({', '.join(s for s in SHAPES if not s.startswith('tiny'))}: "
+                        "written once, cached, with the default model's tokenizer), a known model name or a .gguf")
+    p.add_argument("--weight-type", default="f16", choices=WEIGHT_TYPES, help="weights of a random shape")
+    p.add_argument("--vocab-source", default=None,
+                   help="GGUF whose tokenizer a random shape copies (default: the default model)")
+    p.add_argument("--depths", type=int, nargs="+", default=list(DEFAULT_DEPTHS), help="context depths (tokens)")
+    p.add_argument("-n", "--n-decode", type=int, default=256, help="tokens decoded per run")
+    p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers on the GPU (99 = all)")
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("-sm", "--split-mode", choices=["layer", "none"], default="layer",
+                   help="several GPUs: layer (whole layers per GPU, llama.cpp's default) or none (one GPU)")
+    p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                   help="auto: on with a GPU, off on the CPU (the faster dense setting there)")
+    p.add_argument("--k-head", type=int, default=2048)
+    p.add_argument("--n-sink", type=int, default=4)
+    p.add_argument("--n-recent", type=int, default=256)
+    p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
+    p.add_argument("--selection-delay", type=int, default=0,
+                   help="fast steps until a new selection is loaded, the Selector running in the background "
+                        "meanwhile (default 0; see SFIConfig.selection_delay)")
+    p.add_argument("--min-context", type=int, default=None,
+                   help="SFI starts at this context (default: 32K with offloaded layers, else the budget)")
+    p.add_argument("--n-candidates", type=int, default=None,
+                   help="cells per layer a slow step picks on the device for the Selector (default: 4 x k_head "
+                        "at long context, else every cell; see SFIConfig.n_candidates)")
+    p.add_argument("--device-selector", choices=["auto", "on", "off"], default="auto",
+                   help="run the Selector in the slow step's graph (auto: with offloaded layers; see "
+                        "SFIConfig.device_selector)")
+    p.add_argument("--refresh-layer-groups", type=int, default=SFIConfig.refresh_layer_groups,
+                   help="a device-Selector refresh renews one of this many groups of layers in turn (see "
+                        "SFIConfig.refresh_layer_groups)")
+    p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
+    p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
+                   help="slow step when the top-1 probability falls below this (0: never). A random-weight "
+                        "model is never sure, so with it this fires every min_gap steps: its worst case")
+    p.add_argument("--confidence-trace", default=None,
+                   help="JSON of a trained model's top-1 probabilities on the bench's text "
+                        "(benchmarks/confidence_trace.py): the trigger reads those instead of the benchmarked "
+                        "model's, so its low-confidence refreshes fall where real weights put them")
+    p.add_argument("--batch", type=int, default=1,
+                   help="sequences decoding together (batched SFI), each with its own text at the depth; "
+                        "tok/s are then aggregate")
+    p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
+                                                 "when run from a checkout, else none)")
+    p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sfi-gguf bench ARGS`."""
+    from .random_model import SHAPES, random_model
+
+    args = build_parser().parse_args(argv)
+
+    shape, weight_type = "", ""
+    model = args.model
+    if model in SHAPES:
+        shape, weight_type = model, args.weight_type
+        extra = {"vocab_source": args.vocab_source} if args.vocab_source else {}
+        model = random_model(model, weight_type=args.weight_type, **extra)
+    config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy,
+                       selection_delay=args.selection_delay,
+                       min_context=args.min_context, refresh_interval=args.refresh_interval,
+                       confidence_floor=args.confidence_floor,
+                       device_selector={"auto": None, "on": True, "off": False}[args.device_selector],
+                       n_candidates=args.n_candidates, refresh_layer_groups=args.refresh_layer_groups)
+    if args.batch < 1:
+        raise SystemExit("--batch must be >= 1")
+    trace = None
+    if args.confidence_trace:
+        if args.batch > 1:
+            raise SystemExit("--confidence-trace: single sequences only (the batched bench has one text per sequence)")
+        try:
+            trace = load_confidence_trace(args.confidence_trace)
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--confidence-trace: {e}")
+    kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
+                  n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
+                  flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
+                  split_mode=args.split_mode)
+    rows = (run_bench_batched(model, batch=args.batch, **kwargs) if args.batch > 1
+            else run_bench(model, confidence_trace=trace, **kwargs))
+    print()
+    print(markdown_table(rows))
+    if args.markdown:
+        Path(args.markdown).write_text(markdown_table(rows) + "\n")
+    out = args.json
+    if out is None:
+        results = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+        if results.is_dir():
+            kind = "gpu" if args.n_gpu_layers else "cpu"
+            batch = f"-batch{args.batch}" if args.batch > 1 else ""
+            out = results / f"bench-{kind}-{shape or Path(str(model)).stem}{batch}-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    if out:
+        print(f"wrote {write_json(rows, Path(out))}")
+    return 0

@@ -1,0 +1,48 @@
+"""`sfi-gguf eval`: the quality evaluation from the command line."""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .runner import POLICIES, SUITES, TASKS
+
+    p = argparse.ArgumentParser(
+        prog="sfi-gguf eval",
+        description="Runs needle retrieval, variable tracking, long-generation agreement and chain-of-thought "
+                    "cases with every policy at the same budget. Each case is prefilled once and its KV cache "
+                    "reused by all policies. Results are written after every case; running again with the "
+                    "same --out resumes.")
+    p.add_argument("--suite", choices=list(SUITES), default="default",
+                   help="; ".join(f"{n}: {s.description}" for n, s in SUITES.items()).replace("%", "%%"))
+    p.add_argument("--quick", action="store_const", const="quick", dest="suite", help="same as --suite quick")
+    p.add_argument("--model", action="append", help="only this model of the suite (repeatable)")
+    p.add_argument("--task", action="append", choices=list(TASKS), help="only this task (repeatable)")
+    p.add_argument("--policy", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/eval-SUITE.json)")
+    p.add_argument("--fresh", action="store_true", help="ignore records already in --out instead of resuming")
+    p.add_argument("--report", default=None,
+                   help="also write STEM.md (table), STEM-accuracy.png and STEM-timeline.png")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`sfi-gguf eval ARGS`."""
+    from .report import markdown_table, write_report
+    from .runner import REPO, run_suite
+
+    args = build_parser().parse_args(argv)
+    out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"eval-{args.suite}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=tuple(args.policy),
+                     n_threads=args.threads, resume=not args.fresh)
+    print(markdown_table(data["rows"]))
+    print(f"results: {out}", file=sys.stderr)
+    if args.report:
+        for path in write_report(data, args.report):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
