@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import json
 import platform
 import subprocess
@@ -69,6 +70,15 @@ class BenchRow:
     refresh_layer_groups: int = 1  # > 1: a device-Selector refresh renewed one group of layers in turn
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
     confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
+    config_overrides: dict = dataclasses.field(default_factory=dict)  # SFIConfig fields not at their defaults
+    composite_ops: bool = False    # LLAMA_SFI_FUSED=0: the slow step's fused ops replaced by composite ones
+
+
+def config_overrides(config: SFIConfig) -> dict:
+    """The fields of `config` that differ from `SFIConfig()`'s: {} for a run with the defaults."""
+    default = SFIConfig()
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(SFIConfig)
+            if getattr(config, f.name) != getattr(default, f.name)}
 
 
 def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
@@ -191,7 +201,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
     from ..devices import gpu_count
     from ..llama import SFILlama
 
-    config = config or SFIConfig(k_head=2048)
+    config = config or SFIConfig()
     depths = sorted(int(d) for d in depths)
     if flash_attn is None:  # the faster dense setting: flash attention on a GPU, plain attention on a CPU
         flash_attn = n_gpu_layers != 0
@@ -204,7 +214,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
                   batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
-                  refresh_layer_groups=effective.refresh_layer_groups)
+                  refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
+                  composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0")
     return llm, config, depths, shared
 
 
@@ -408,11 +419,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several GPUs: layer (whole layers per GPU, llama.cpp's default) or none (one GPU)")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="auto: on with a GPU, off on the CPU (the faster dense setting there)")
-    p.add_argument("--k-head", type=int, default=2048)
-    p.add_argument("--n-sink", type=int, default=4)
-    p.add_argument("--n-recent", type=int, default=256)
-    p.add_argument("--policy", default="punctuation", choices=[n for n in POLICIES if n != "dense"])
-    p.add_argument("--selection-delay", type=int, default=0,
+    p.add_argument("--k-head", type=int, default=SFIConfig.k_head,
+                   help="selected cells per KV head (default: SFIConfig's, 2048 from 8K cells on)")
+    p.add_argument("--n-sink", type=int, default=SFIConfig.n_sink)
+    p.add_argument("--n-recent", type=int, default=SFIConfig.n_recent)
+    p.add_argument("--policy", default=SFIConfig.policy, choices=[n for n in POLICIES if n != "dense"])
+    p.add_argument("--selection-delay", type=int, default=SFIConfig.selection_delay,
                    help="fast steps until a new selection is loaded, the Selector running in the background "
                         "meanwhile (default 0; see SFIConfig.selection_delay)")
     p.add_argument("--min-context", type=int, default=None,
@@ -426,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-layer-groups", type=int, default=SFIConfig.refresh_layer_groups,
                    help="a device-Selector refresh renews one of this many groups of layers in turn (see "
                         "SFIConfig.refresh_layer_groups)")
-    p.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
+    p.add_argument("--refresh-interval", type=int, default=SFIConfig.refresh_interval, help="T_max of the punctuation policy")
     p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
                         "model is never sure, so with it this fires every min_gap steps: its worst case")
