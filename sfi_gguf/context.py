@@ -114,7 +114,8 @@ class LlamaContext:
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
         self.n_seq_max = n_seq_max
-        self.n_ctx = llama_cpp.llama_n_ctx(ctx) // n_seq_max  # cells per sequence
+        # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
         self.flash_attn = flash_attn
         self.memory = llama_cpp.llama_get_memory(ctx)
@@ -206,11 +207,15 @@ class LlamaContext:
 
     # -- model facts ----------------------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
+        if not self.model:
+            raise self._closed()
         buf = ctypes.create_string_buffer(4096)
         n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
 
     def chat_template(self) -> str | None:
+        if not self.model:
+            raise self._closed()
         tmpl = llama_cpp.llama_model_chat_template(self.model, None)
         return tmpl.decode(errors="replace") if tmpl else None
 
@@ -243,10 +248,14 @@ class LlamaContext:
 
     def last_logits(self) -> np.ndarray:
         """Logits of the last decoded token: a zero-copy float32 view, valid until the next decode."""
+        if not self.ctx:
+            raise self._closed()
         ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, self.logits_index), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def is_eog(self, token: int) -> bool:
+        if not self.model:
+            raise self._closed()
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     # -- KV cache -------------------------------------------------------------------------------
