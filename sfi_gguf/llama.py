@@ -285,15 +285,16 @@ class SFILlama:
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 logprobs: int | None = None,
-                 sfi: SFIConfig | str | bool | None = None) -> Union[Completion, Iterator[str]]:
+                 logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
+                 cancel: threading.Event | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
         `self.last_stats` once it is exhausted). The KV cache of the longest common prefix with the
         previous call is reused. `logprobs` n: `Completion.logprobs` holds each sampled token's
         log-probability and the n most likely tokens (not with stream=True). `sfi` overrides the
-        model's `sfi_config` for this call only.
+        model's `sfi_config` for this call only. `cancel` (a threading.Event) set from another thread
+        ends the generation before its next token (finish_reason "stop"): a server's client went away.
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -320,7 +321,7 @@ class SFILlama:
         stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, cancel=cancel)
         if max_tokens == 0:
             pieces = _prefill_only(stepper, self._ctx, tokens, stats)
         if stream:
@@ -369,8 +370,8 @@ class SFILlama:
                       top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                       min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-                      sfi: SFIConfig | str | bool | None = None):
-        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call."""
+                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`: as there)."""
         from .batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
@@ -385,8 +386,7 @@ class SFILlama:
                                 presence_penalty=presence_penalty)
         params.validate()
         return Request(tokens=tokens, sampler=Sampler(params, self._ctx.n_vocab, logprobs=logprobs), max_tokens=max_tokens,
-                       stop=stop_list, ignore_eos=ignore_eos,
-                       config=config)
+                       stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel)
 
     @_serialised
     def batched_decoder(self):
