@@ -4,8 +4,9 @@ A model with one sequence runs requests one at a time (an async lock, so waiting
 thread); a model created with n_parallel sequences (`serve --parallel N`) decodes up to N requests
 together in one batch (`sfi_gguf.slots`), each with its own SFI state. Generation runs in worker
 threads; the event loop only reads requests, watches for clients that go away and writes responses.
-llama-cpp-python's own server is built around `llama_cpp.Llama` objects it creates itself, so it
-cannot serve an `SFILlama`.
+uvicorn parses HTTP (chunked bodies, framing errors, disconnect events), which `http.server` would
+leave to hand-written code; llama-cpp-python's own server uses the same stack, but it is built around
+`llama_cpp.Llama` objects it creates itself, so it cannot serve an `SFILlama`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as server-sent
 events when "stream" is true), GET /health. Every response carries the request's SFI statistics in
@@ -242,7 +243,7 @@ def _kwargs(body: Any, fn, main: str, model_name: str) -> tuple[dict[str, Any], 
     it does not understand, before anything is generated."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object")
-    if main not in body:
+    if body.get(main) is None:
         raise RequestError(f"'{main}' is required")
     unknown = set(body) - _accepted(fn) - _EXTRA - {main}
     if unknown:
@@ -260,7 +261,7 @@ def _kwargs(body: Any, fn, main: str, model_name: str) -> tuple[dict[str, Any], 
         raise RequestError(f"stream_options.include_usage must be true or false, got {include_usage!r}")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError(f"user must be a string, got {body['user']!r}")
-    kwargs = {k: v for k, v in body.items() if k not in _EXTRA}
+    kwargs = {k: v for k, v in body.items() if k not in _EXTRA and v is not None}  # null: the default
     if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs["stream"] = bool(body.get("stream"))

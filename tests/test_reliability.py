@@ -139,6 +139,24 @@ def test_bad_constructor_arguments_name_the_parameter(tiny_path, kwargs, match, 
     assert freed.models == 0  # refused before the model was loaded
 
 
+@pytest.mark.parametrize("n_ctx", [1, 8, 300])
+def test_n_ctx_is_exact(tiny_path, n_ctx):
+    """llama.cpp allocates at least 256 cells (in steps of 256); the context still holds n_ctx tokens."""
+    with make(tiny_path, n_ctx=n_ctx, sfi=True) as llm:
+        assert llm.n_ctx == n_ctx
+        with pytest.raises(ValueError, match=f"the context holds {n_ctx}"):
+            llm.generate([5] * n_ctx, max_tokens=1)
+        if n_ctx > 1:
+            out = llm.generate([5] * (n_ctx - 1), max_tokens=50, temperature=0, ignore_eos=True)
+            assert out.stats.n_ctx_end == n_ctx and len(out.tokens) == 2 and out.finish_reason == "length"
+
+
+def test_more_threads_than_cpus_warns(tiny_path, monkeypatch):
+    monkeypatch.setattr("sfi_gguf.llama.default_threads", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="more than this machine's 2 CPUs"):
+        SFILlama(str(tiny_path), n_ctx=N_CTX, n_threads=3).close()
+
+
 def test_k_head_larger_than_the_context(tiny_path, monkeypatch):
     freed = FreeCounter(monkeypatch)
     with pytest.raises(ValueError, match=r"SFIConfig\.k_head=1024: larger than the context \(n_ctx=512\)"):
@@ -191,7 +209,7 @@ def test_bad_prompts(tiny_path):
     (dict(top_p=float("nan")), "top_p"), (dict(min_p=2), "min_p"), (dict(repeat_penalty=0), "repeat_penalty"),
     (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(frequency_penalty=3), "frequency_penalty"),
     (dict(stop=[1, 2]), "stop must be None, a string or a list of strings"), (dict(stop=5), "stop"),
-    (dict(max_tokens=2.0), "max_tokens must be an integer"), (dict(logprobs=-1), "logprobs"),
+    (dict(max_tokens=2.0), "max_tokens must be"), (dict(logprobs=-1), "logprobs"),
     (dict(logprobs="3"), "logprobs"), (dict(stream="yes"), "stream must be True or False"),
     (dict(ignore_eos=None), "ignore_eos"), (dict(sfi={"k_head": "64"}), r"SFIConfig\.k_head"),
 ])
@@ -332,29 +350,32 @@ def _run_threads(target, n):
 
 def test_threads_sharing_one_model_take_turns(tiny_path):
     """Calls from several threads are serialised: each gets the tokens of the same call alone (two
-    llama_decode calls at once on one context abort the process in ggml)."""
-    prompts = [prompt_tokens(120, seed=10 + i) for i in range(4)]
+    llama_decode calls at once on one context abort the process in ggml). Every prompt starts with its
+    own token, so no call reuses another's cache (a reused prefix may round differently)."""
+    prompts = [[3 + k] + prompt_tokens(120, seed=10 + k) for k in range(12)]  # 4 threads x 3 calls
     kw = dict(max_tokens=24, temperature=0, ignore_eos=True)
     with make(tiny_path) as llm:
         want = [llm.generate(p, **kw).tokens for p in prompts]
         got = {}
 
         def calls(i):
-            for r in range(3):
-                got[i, r] = llm.generate(prompts[i], **kw).tokens if r != 1 else \
-                    llm.create_completion(prompts[i], max_tokens=24, temperature=0)["choices"][0]["text"]
+            for k in range(i, 12, 4):
+                got[k] = llm.generate(prompts[k], **kw).tokens if k < 8 else \
+                    llm.create_completion(prompts[k], max_tokens=24, temperature=0)["choices"][0]["text"]
 
         assert _run_threads(calls, 4) == []
-        for i in range(4):
-            assert got[i, 0] == got[i, 2] == want[i]
-            assert llm.detokenize(want[i]).startswith(got[i, 1])  # (it may end early on an end-of-generation token)
+        for k in range(12):
+            if k < 8:
+                assert got[k] == want[k]
+            else:  # (the text may end early, on an end-of-generation token)
+                assert llm.detokenize(want[k]).startswith(got[k])
 
 
 def test_streams_in_threads_finish_or_are_superseded(tiny_path):
     """A stream holds the model only while it computes a token: a call from another thread in between
     supersedes it (RuntimeError at its next token), as a call from the same thread does; a stream that
     is not superseded gives the text of the same call alone."""
-    prompts = [prompt_tokens(120, seed=20 + i) for i in range(3)]
+    prompts = [[3 + i] + prompt_tokens(120, seed=20 + i) for i in range(3)]
     kw = dict(max_tokens=32, temperature=0, ignore_eos=True)
     with make(tiny_path) as llm:
         want = [llm.generate(p, **kw).text for p in prompts]
