@@ -6,6 +6,7 @@ This is the only module that talks to llama.cpp's generic C API (the `llama_sfi_
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -137,13 +138,19 @@ class LlamaContext:
         self._tensor_split = self._devices = None  # kept alive until the model is loaded
         if tensor_split is not None:
             n_max = llama_cpp.llama_max_devices()
-            values = [float(x) for x in tensor_split]
-            if len(values) > n_max or any(not x >= 0 for x in values):
+            try:
+                values = [float(x) for x in tensor_split]
+            except (TypeError, ValueError):
+                values = [math.nan]
+            if len(values) > n_max or any(not 0 <= x < math.inf for x in values):
                 raise ValueError(f"tensor_split must hold at most {n_max} proportions >= 0, got {list(tensor_split)}")
             self._tensor_split = (ctypes.c_float * n_max)(*values)
             mparams.tensor_split = self._tensor_split
         if rpc_servers:
             from .devices import model_devices
+
+            if not isinstance(rpc_servers, (str, list, tuple)) or not all(isinstance(e, str) for e in rpc_servers):
+                raise ValueError(f"rpc_servers must be 'host:port' strings (a list, or comma-separated), got {rpc_servers!r}")
 
             self._devices = model_devices([e.strip() for e in rpc_servers.split(",")] if isinstance(rpc_servers, str)
                                           else list(rpc_servers))

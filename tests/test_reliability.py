@@ -96,6 +96,11 @@ def test_gguf_with_garbage_metadata_is_refused(tmp_path, tiny_path):
 
 # -- bad input: context and configuration ---------------------------------------------------------
 
+def test_a_model_path_of_the_wrong_type_names_the_parameter():
+    with pytest.raises(ValueError, match="model_path must be"):
+        SFILlama(5)
+
+
 def test_n_ctx_above_training_context_frees_the_model(tiny_path, monkeypatch):
     freed = FreeCounter(monkeypatch)
     with pytest.raises(ValueError, match="n_ctx=40000 is above the model's training context"):
@@ -128,6 +133,8 @@ def test_context_creation_failure_frees_the_model(tiny_path, monkeypatch):
     (dict(n_threads=10_000), "n_threads must be at most 512"), (dict(n_threads=1.5), "n_threads must be an integer"),
     (dict(n_batch=None), "n_batch must be an integer"), (dict(n_parallel=0), "n_parallel must be an integer >= 1"),
     (dict(n_gpu_layers="all"), "n_gpu_layers must be an integer"), (dict(flash_attn="yes"), "flash_attn must be"),
+    (dict(tensor_split="ab"), "tensor_split must hold"), (dict(rpc_servers=5), "rpc_servers must be"),
+    (dict(split_mode=None), "split_mode must be one of"),
     (dict(sfi=dict(n_recent=-1)), r"SFIConfig\.n_recent=-1"), (dict(sfi=dict(k_head=-64)), r"SFIConfig\.k_head=-64"),
     (dict(sfi=dict(k_heads=5)), "k_heads"), (dict(sfi=3), "sfi must be"),
 ])

@@ -179,6 +179,12 @@ def test_bad_chat_bodies_are_400(one, body, match):
     _openai_error(status, raw, 400, match)
 
 
+def test_penalties(one):
+    for penalty in ({"repeat_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
+        status, reply = one.post("/v1/completions", {**GOOD, **penalty})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
+
+
 def test_null_fields_take_their_defaults(one):
     alone = one.post("/v1/completions", GOOD)[1]
     status, reply = one.post("/v1/completions", {**GOOD, "top_p": None, "seed": None, "stop": None, "user": None,
