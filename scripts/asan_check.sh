@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Run the native tests and the llama_sfi_* fuzzer against an AddressSanitizer build of the dev tree.
+# Run the native tests, the llama_sfi_* fuzzer and the Python-level bad-input tests (files, values,
+# types, closed objects, threads) against an AddressSanitizer build of the dev tree.
 #
 # Why: a use-after-free or an out-of-bounds write in the patch does not always crash a Release build;
 # ASan turns it into a report with a stack. The build is separate (~/.cache/sfi-gguf/asan-build) and
@@ -9,14 +10,20 @@
 #   bash scripts/asan_check.sh --build-only
 #   bash scripts/asan_check.sh -k fuzz -x    # extra arguments go to pytest
 #
-# Env: SFI_DEV_TREE (default ~/.cache/sfi-gguf/dev/llama.cpp), SFI_ASAN_BUILD (default
-# ~/.cache/sfi-gguf/asan-build), SFI_ASAN_TESTS (default: tests/test_native.py tests/test_fuzz_native.py).
+# Env: SFI_DEV_TREE (default ~/.cache/sfi-gguf/dev/llama.cpp where it exists, else the tree the CMake build
+# prepares, in ~/.cache/sfi-gguf/asan-src), SFI_ASAN_BUILD (default ~/.cache/sfi-gguf/asan-build),
+# SFI_ASAN_TESTS (default: tests/test_native.py tests/test_fuzz_native.py tests/test_reliability.py
+# tests/test_server_robust.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${SFI_GGUF_CACHE:-$HOME/.cache/sfi-gguf}
 SRC=${SFI_DEV_TREE:-$CACHE/dev/llama.cpp}
 BUILD=${SFI_ASAN_BUILD:-$CACHE/asan-build}
 PY=${PYTHON:-python3}
+if [ ! -d "$SRC" ]; then  # no dev tree (CI, a fresh machine): what the CMake build prepares, kept up to date
+    SRC=$CACHE/asan-src
+    "$PY" native/prepare_llama_cpp.py --dest "$SRC"
+fi
 
 build_only=0
 if [ "${1:-}" = "--build-only" ]; then build_only=1; shift; fi
@@ -39,7 +46,7 @@ nice -n 10 cmake --build "$BUILD" -j2 --target llama > "$BUILD.build.log" 2>&1 \
     || { tail -40 "$BUILD.build.log"; exit 1; }
 LIB_DIR="$BUILD/bin"
 test -f "$LIB_DIR/libllama.so" || { echo "no $LIB_DIR/libllama.so" >&2; exit 1; }
-echo "asan build: $LIB_DIR ($(git -C "$SRC" log -1 --format='%h %s'))"
+echo "asan build: $LIB_DIR ($(git -C "$SRC" log -1 --format='%h %s' 2>/dev/null || echo "$SRC"))"
 [ $build_only = 1 ] && exit 0
 
 # libasan must be the first library of the process (python itself is not instrumented). libstdc++
@@ -56,4 +63,4 @@ export SFI_GGUF_LIB_DIR=$LIB_DIR
 # without native CPU flags, and they exercise the same native code as the tiny models
 # shellcheck disable=SC2086
 nice -n 10 "$PY" -m pytest -q -p no:cacheprovider -m "${SFI_ASAN_MARK-not real_model}" \
-    ${SFI_ASAN_TESTS:-tests/test_native.py tests/test_fuzz_native.py} "$@"
+    ${SFI_ASAN_TESTS:-tests/test_native.py tests/test_fuzz_native.py tests/test_reliability.py tests/test_server_robust.py} "$@"

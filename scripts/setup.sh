@@ -17,7 +17,8 @@ have_version() { "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.versi
 missing=$("$PY" - <<'PYEOF'
 import importlib.util
 need = {"scikit_build_core": "scikit-build-core>=0.10", "numpy": "numpy>=1.24", "typing_extensions": "typing-extensions>=4.5.0",
-        "diskcache": "diskcache>=5.6.1", "jinja2": "jinja2>=2.11.3"}
+        "diskcache": "diskcache>=5.6.1", "jinja2": "jinja2>=2.11.3",
+        "anyio": "anyio>=4.0", "starlette": "starlette>=0.37", "uvicorn": "uvicorn>=0.29"}
 print(" ".join(spec for mod, spec in need.items() if importlib.util.find_spec(mod) is None))
 PYEOF
 )

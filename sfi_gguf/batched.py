@@ -15,6 +15,7 @@ their compact views. `BatchedDecoder` keeps slots that requests join and leave b
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -117,6 +118,7 @@ class Request:
     stop: Sequence[str] = ()
     ignore_eos: bool = False
     config: object = None                            # the SFIConfig of this request (None: the model's)
+    cancel: threading.Event | None = None            # set: the request ends at the next step (its client left)
     on_piece: Callable[[str], None] | None = None   # called with each text piece as it is decoded
     stats: GenerationStats = field(default_factory=GenerationStats)
     out_tokens: list[int] = field(default_factory=list)
@@ -209,7 +211,12 @@ class BatchedDecoder:
     # -- the step -------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One token for every active slot; returns the requests that ended."""
-        ended = [self._finish(slot) for slot in self.active if slot.request.done]  # ended when added
+        for slot in self.active:
+            request = slot.request
+            if not request.done and request.cancel is not None and request.cancel.is_set():
+                request.stats.finish_reason = "stop"
+                request.done = True
+        ended = [self._finish(slot) for slot in self.active if slot.request.done]  # ended when added, or cancelled
         t0 = time.perf_counter()
         planned: dict[str, list[_Slot]] = {kind: [] for kind in GROUP_ORDER}
         for slot in self.active:

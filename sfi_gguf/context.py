@@ -6,6 +6,7 @@ This is the only module that talks to llama.cpp's generic C API (the `llama_sfi_
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from pathlib import Path
 from typing import Sequence
@@ -114,7 +115,8 @@ class LlamaContext:
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
         self.n_seq_max = n_seq_max
-        self.n_ctx = llama_cpp.llama_n_ctx(ctx) // n_seq_max  # cells per sequence
+        # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
+        self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
         self.flash_attn = flash_attn
         self.memory = llama_cpp.llama_get_memory(ctx)
@@ -136,13 +138,19 @@ class LlamaContext:
         self._tensor_split = self._devices = None  # kept alive until the model is loaded
         if tensor_split is not None:
             n_max = llama_cpp.llama_max_devices()
-            values = [float(x) for x in tensor_split]
-            if len(values) > n_max or any(not x >= 0 for x in values):
+            try:
+                values = [float(x) for x in tensor_split]
+            except (TypeError, ValueError):
+                values = [math.nan]
+            if len(values) > n_max or any(not 0 <= x < math.inf for x in values):
                 raise ValueError(f"tensor_split must hold at most {n_max} proportions >= 0, got {list(tensor_split)}")
             self._tensor_split = (ctypes.c_float * n_max)(*values)
             mparams.tensor_split = self._tensor_split
         if rpc_servers:
             from .devices import model_devices
+
+            if not isinstance(rpc_servers, (str, list, tuple)) or not all(isinstance(e, str) for e in rpc_servers):
+                raise ValueError(f"rpc_servers must be 'host:port' strings (a list, or comma-separated), got {rpc_servers!r}")
 
             self._devices = model_devices([e.strip() for e in rpc_servers.split(",")] if isinstance(rpc_servers, str)
                                           else list(rpc_servers))
@@ -206,11 +214,15 @@ class LlamaContext:
 
     # -- model facts ----------------------------------------------------------------------------
     def metadata(self, key: str) -> str | None:
+        if not self.model:
+            raise self._closed()
         buf = ctypes.create_string_buffer(4096)
         n = llama_cpp.llama_model_meta_val_str(self.model, key.encode(), buf, len(buf))
         return buf.value.decode(errors="replace") if n >= 0 else None
 
     def chat_template(self) -> str | None:
+        if not self.model:
+            raise self._closed()
         tmpl = llama_cpp.llama_model_chat_template(self.model, None)
         return tmpl.decode(errors="replace") if tmpl else None
 
@@ -243,10 +255,14 @@ class LlamaContext:
 
     def last_logits(self) -> np.ndarray:
         """Logits of the last decoded token: a zero-copy float32 view, valid until the next decode."""
+        if not self.ctx:
+            raise self._closed()
         ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, self.logits_index), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
     def is_eog(self, token: int) -> bool:
+        if not self.model:
+            raise self._closed()
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     # -- KV cache -------------------------------------------------------------------------------

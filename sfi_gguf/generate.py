@@ -6,6 +6,7 @@ the SFI stepper makes most steps fast). Everything per token stays in a few C ca
 from __future__ import annotations
 
 import codecs
+import threading
 import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -134,8 +135,12 @@ def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, st
 
 def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
                    max_tokens: int, stop: Sequence[str], stats: GenerationStats,
-                   out_tokens: list[int], progress: bool = False, ignore_eos: bool = False) -> Iterator[str]:
-    """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted)."""
+                   out_tokens: list[int], progress: bool = False, ignore_eos: bool = False,
+                   cancel: threading.Event | None = None) -> Iterator[str]:
+    """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted).
+
+    `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
+    """
     start_generation(stepper, prompt_tokens, sampler, stats, progress)
     text = TextStream(stop)
     finish = "length"
@@ -144,6 +149,9 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
         for i in range(max_tokens):
             if i > 0:
                 if len(ctx.tokens) >= ctx.n_ctx:
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "stop"
                     break
                 stepper.step(out_tokens[-1])
             token = sampler.sample(ctx)

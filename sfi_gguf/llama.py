@@ -2,16 +2,19 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import threading
+import warnings
 from typing import Iterator, Sequence, Union
 
 from . import openai_api
 from ._native import llama_cpp
 from .config import SFIConfig
-from .context import LlamaContext
+from .context import ContextError, LlamaContext, default_threads
 from .generate import Completion, DenseStepper, GenerationStats, run_generation
 from .models import resolve_model_path
-from .sampling import Sampler, SamplingParams
+from .sampling import Sampler, SamplingParams, is_int
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
@@ -29,6 +32,25 @@ GPU_BATCHED_MIN_CONTEXT = 32768
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
+
+# ggml's GGML_MAX_N_THREADS: a compute graph never runs on more threads than this.
+MAX_THREADS = 512
+
+
+def _serialised(method):
+    """Run a public method under the object's lock, on an open model.
+
+    Why: one llama_context is not safe to use from two threads at once (two decodes into one batch
+    abort in ggml); web apps and agent frameworks do call from several threads. And after close()
+    every native pointer is gone: a ContextError is the answer, not a use-after-free.
+    """
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            self._check_open()
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class SFILlama:
@@ -59,14 +81,20 @@ class SFILlama:
                  sfi: SFIConfig | str | bool | None = True, split_mode: str = "layer", main_gpu: int = 0,
                  tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None,
                  n_parallel: int = 1):
-        if n_ctx < 0:
-            raise ValueError(f"n_ctx must be >= 0 (0 = the model's training context), got {n_ctx}")
-        if n_batch < 1:
-            raise ValueError(f"n_batch must be >= 1, got {n_batch}")
-        if n_threads is not None and n_threads < 1:
-            raise ValueError(f"n_threads must be >= 1, got {n_threads}")
-        if not isinstance(n_parallel, int) or n_parallel < 1:
-            raise ValueError(f"n_parallel must be an int >= 1, got {n_parallel!r}")
+        _check_int("n_ctx", n_ctx, 0, "(0 = the model's training context)")
+        _check_int("n_batch", n_batch, 1)
+        _check_int("n_parallel", n_parallel, 1)
+        _check_int("n_gpu_layers", n_gpu_layers, -1, "(-1 = every layer)")
+        _check_int("main_gpu", main_gpu, 0)
+        if n_threads is not None:
+            _check_int("n_threads", n_threads, 1)
+            if n_threads > MAX_THREADS:
+                raise ValueError(f"n_threads must be at most {MAX_THREADS} (ggml's limit), got {n_threads}")
+            if n_threads > default_threads():
+                warnings.warn(f"n_threads={n_threads} is more than this machine's {default_threads()} CPUs: "
+                              "llama.cpp gets slower, not faster", RuntimeWarning, stacklevel=2)
+        _check_flags(flash_attn=flash_attn, verbose=verbose, progress=progress)
+        self._lock = threading.RLock()  # see _serialised
         self.sfi_config = _sfi_config(sfi)
         self.split_mode = split_mode
         _check_split(self.sfi_config, split_mode)
@@ -98,19 +126,32 @@ class SFILlama:
     def context(self) -> LlamaContext:
         return self._ctx
 
+    @property
+    def closed(self) -> bool:
+        return self._ctx.ctx is None
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise ContextError("the model was closed (SFILlama.close()); create a new one")
+
+    @_serialised
     def reset(self) -> None:
         """Forget the KV cache (the next generate prefills its whole prompt)."""
         self._ctx.clear()
 
     def close(self) -> None:
-        if self._batched is not None:
-            self._batched.close()
-            self._batched = None
-        if self._sfi_native is not None:
-            self._sfi_native.free()
-            self._sfi_native = None
-        self._ctx.close()
+        """Free the model and its context; any later call raises ContextError. Waits for a call in
+        progress in another thread (a stream stops at its next token)."""
+        with self._lock:
+            if self._batched is not None:
+                self._batched.close()
+                self._batched = None
+            if self._sfi_native is not None:
+                self._sfi_native.free()
+                self._sfi_native = None
+            self._ctx.close()
 
+    @_serialised
     def __enter__(self):
         return self
 
@@ -118,12 +159,15 @@ class SFILlama:
         self.close()
 
     # -- text -----------------------------------------------------------------------------------
+    @_serialised
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._ctx.tokenize(text, add_special=add_special)
 
+    @_serialised
     def detokenize(self, tokens: Sequence[int]) -> str:
         return self._ctx.detokenize(tokens)
 
+    @_serialised
     def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
         """The GGUF's chat template applied to messages.
 
@@ -151,6 +195,7 @@ class SFILlama:
             self._chat_formatter = (key, formatter)
         return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages]).prompt
 
+    @_serialised
     def prompt_tokens(self, prompt: Prompt) -> list[int]:
         """A prompt as tokens: text is tokenized, messages are chat-formatted, token ids pass through."""
         if isinstance(prompt, str):
@@ -173,6 +218,7 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
+    @_serialised
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
         if self.n_gpu_layers and config.device_selector is None:
@@ -233,27 +279,29 @@ class SFILlama:
             native = SequenceNative(native, ctx.seq)
         return SFIStepper(ctx, native, config, make_policy(config, self._pieces), make_selector(config))
 
+    @_serialised
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                  top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                 logprobs: int | None = None,
-                 sfi: SFIConfig | str | bool | None = None) -> Union[Completion, Iterator[str]]:
+                 logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
+                 cancel: threading.Event | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
         `self.last_stats` once it is exhausted). The KV cache of the longest common prefix with the
         previous call is reused. `logprobs` n: `Completion.logprobs` holds each sampled token's
         log-probability and the n most likely tokens (not with stream=True). `sfi` overrides the
-        model's `sfi_config` for this call only.
+        model's `sfi_config` for this call only. `cancel` (a threading.Event) set from another thread
+        ends the generation before its next token (finish_reason "stop"): a server's client went away.
         """
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        _check_int("max_tokens", max_tokens, 0)
+        _check_flags(stream=stream, ignore_eos=ignore_eos)
         if logprobs is not None and stream:
             raise NotImplementedError("logprobs with stream=True is not supported; stream without logprobs "
                                       "or ask for them without streaming")
         config = self.sfi_config if sfi is None else _sfi_config(sfi)
-        stop_list = [stop] if isinstance(stop, str) else list(stop or [])
+        stop_list = _stop_list(stop)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty)
@@ -268,11 +316,11 @@ class SFILlama:
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
-        sampler = Sampler(params, logprobs=logprobs)
+        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs)
         stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
-                                ignore_eos=ignore_eos)
+                                ignore_eos=ignore_eos, cancel=cancel)
         if max_tokens == 0:
             pieces = _prefill_only(stepper, self._ctx, tokens, stats)
         if stream:
@@ -284,6 +332,7 @@ class SFILlama:
         return Completion(text=text, tokens=out_tokens, finish_reason=stats.finish_reason, stats=stats,
                           logprobs=sampler.logprobs if logprobs is not None else None)
 
+    @_serialised
     def generate_batch(self, prompts: Sequence[Prompt], max_tokens: int = 256, temperature: float = 0.8,
                        top_p: float = 0.95, top_k: int = 40, seed: int | None = None,
                        stop: str | Sequence[str] | None = None, min_p: float = 0.05, repeat_penalty: float = 1.0,
@@ -298,6 +347,8 @@ class SFILlama:
         if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, (int, dict)) for p in prompts):
             raise ValueError("prompts must be a non-empty list of prompts (strings, lists of chat messages or "
                              "lists of token ids)")
+        if seed is not None:  # checked before seed + i makes an int of a bool
+            SamplingParams(seed=seed).validate()
         requests = []
         for i, prompt in enumerate(prompts):
             try:
@@ -313,16 +364,18 @@ class SFILlama:
         self.last_stats = requests[-1].stats
         return [r.completion() for r in requests]
 
+    @_serialised
     def batch_request(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
                       top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                       min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-                      sfi: SFIConfig | str | bool | None = None):
-        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call."""
+                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`: as there)."""
         from .batched import Request
 
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
-            raise ValueError(f"max_tokens must be an int >= 0, got {max_tokens!r}")
+        _check_int("max_tokens", max_tokens, 0)
+        _check_flags(ignore_eos=ignore_eos)
+        stop_list = _stop_list(stop)
         config = None if sfi is None else _sfi_config(sfi)
         tokens = self.prompt_tokens(prompt)
         if len(tokens) >= self.n_ctx:
@@ -331,10 +384,10 @@ class SFILlama:
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty)
         params.validate()
-        return Request(tokens=tokens, sampler=Sampler(params, logprobs=logprobs), max_tokens=max_tokens,
-                       stop=[stop] if isinstance(stop, str) else list(stop or []), ignore_eos=ignore_eos,
-                       config=config)
+        return Request(tokens=tokens, sampler=Sampler(params, self._ctx.n_vocab, logprobs=logprobs), max_tokens=max_tokens,
+                       stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel)
 
+    @_serialised
     def batched_decoder(self):
         """The `BatchedDecoder` over this model's n_parallel sequences (created on first use)."""
         from .batched import BatchedDecoder
@@ -345,14 +398,17 @@ class SFILlama:
         return self._batched
 
     # -- llama-cpp-python's API (sfi_gguf/openai_api.py) -------------------------------------------
+    @_serialised
     def create_completion(self, prompt: Union[str, Sequence[int]], *args, **kwargs):
         """`llama_cpp.Llama.create_completion`: same arguments and dicts, plus `sfi=` and "sfi_stats"."""
         return openai_api.create_completion(self, prompt, *args, **kwargs)
 
+    @_serialised
     def __call__(self, prompt: Union[str, Sequence[int]], *args, **kwargs):
         """`llama_cpp.Llama.__call__`: `create_completion`."""
         return openai_api.create_completion(self, prompt, *args, **kwargs)
 
+    @_serialised
     def create_chat_completion(self, messages: Sequence[Message], *args, **kwargs):
         """`llama_cpp.Llama.create_chat_completion` with the GGUF's chat template, plus `sfi=`."""
         return openai_api.create_chat_completion(self, messages, *args, **kwargs)
@@ -401,6 +457,27 @@ def _prefill_only(stepper, ctx: LlamaContext, tokens, stats: GenerationStats) ->
     return iter(())
 
 
+def _check_int(name: str, value, minimum: int, meaning: str = "") -> None:
+    if not is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}{' ' + meaning if meaning else ''}, got {value!r}")
+
+
+def _stop_list(stop) -> list[str]:
+    """`stop` (None, a string or a list of strings) as a list, refusing anything else by name."""
+    stops = [stop] if isinstance(stop, str) else stop
+    if stops is None:
+        return []
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+    return list(stops)
+
+
+def _check_flags(**flags) -> None:
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+
+
 def _check_fits(config: SFIConfig, n_ctx: int) -> None:
     """An explicit k_head above the context cannot be what the caller meant: say so, naming it.
 
@@ -422,20 +499,25 @@ def _check_split(config: SFIConfig, split_mode: str) -> None:
 def _closing(pieces: Iterator[str], sampler: Sampler, owner: "SFILlama", generation: int) -> Iterator[str]:
     """The stream of one generate() call; frees its sampler however it ends.
 
-    A stream superseded by a later generate() call (which rebuilt the shared KV cache) raises instead of
-    decoding its next token into the other call's cache.
+    Each token is computed under the model's lock (`_serialised`), so a stream may be read in any
+    thread; the lock is not held between tokens. A stream superseded by a later generate() call (from
+    any thread: it rebuilt the shared KV cache) raises instead of decoding its next token into the
+    other call's cache, and one whose model was closed raises ContextError.
     """
     try:
         while True:
-            if owner._generation != generation:
-                raise RuntimeError("this stream was superseded by a later generate() call on the same model "
-                                   "(they share one KV cache); finish or close a stream before the next call")
-            try:
-                piece = next(pieces)
-            except StopIteration:
-                return
+            with owner._lock:
+                owner._check_open()
+                if owner._generation != generation:
+                    raise RuntimeError("this stream was superseded by a later generate() call on the same model "
+                                       "(they share one KV cache); finish or close a stream before the next call")
+                try:
+                    piece = next(pieces)
+                except StopIteration:
+                    return
             yield piece
     finally:
-        if hasattr(pieces, "close"):  # run_generation's own clean-up (statistics); iter(()) has none
-            pieces.close()
-        sampler.close()
+        with owner._lock:
+            if hasattr(pieces, "close"):  # run_generation's own clean-up (statistics); iter(()) has none
+                pieces.close()
+            sampler.close()

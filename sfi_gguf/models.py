@@ -134,6 +134,8 @@ def resolve_model_path(model_path: str | os.PathLike | None) -> Path:
         return ensure_model(DEFAULT_MODEL)
     if isinstance(model_path, str) and model_path in KNOWN_MODELS:
         return ensure_model(model_path)
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise ValueError(f"model_path must be None, a known model name or a path to a .gguf file, got {model_path!r}")
     path = Path(model_path).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model file not found: {path}")

@@ -75,39 +75,86 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     settings for this call.
     """
     _check_supported(locals())
-    is_ids = isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
-                                                       for t in prompt)
-    if not isinstance(prompt, str) and not is_ids:
-        raise ValueError("prompt must be a string or a list of token ids (chat messages go to "
-                         "create_chat_completion)")
-    tokens = llm.prompt_tokens(prompt)
-    text_offset = len(prompt) if isinstance(prompt, str) else len(llm.detokenize(tokens))
+    prompts = _prompt_list(prompt)
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
                          presence_penalty, sfi)
-    return _complete(llm, tokens, max_tokens, stream, model, logprobs, sampling,
-                     lambda records: _completion_logprobs(llm, records, text_offset))
+    head = _head("cmpl", model, llm)
+    if len(prompts) == 1:
+        return _completion(llm, prompts[0], llm.prompt_tokens(prompts[0]), max_tokens, stream, logprobs, sampling,
+                           head)
+    # several prompts (the OpenAI API's list of prompts): one choice each, in order, decoded one after the other
+    all_tokens = [llm.prompt_tokens(p) for p in prompts]  # every prompt is checked before the first is decoded
+    for i, tokens in enumerate(all_tokens):
+        if len(tokens) >= llm.n_ctx:
+            raise ValueError(f"prompt {i} has {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
+    runs = (_completion(llm, p, t, max_tokens, stream, logprobs, sampling, head, index=i)
+            for i, (p, t) in enumerate(zip(prompts, all_tokens)))
+    if stream:
+        return _chained(runs)
+    results = list(runs)
+    usages = [r["usage"] for r in results]
+    return {**head, "choices": [r["choices"][0] for r in results],
+            "usage": {k: sum(u[k] for u in usages) for k in usages[0]},
+            "sfi_stats": [r["sfi_stats"] for r in results]}
 
 
-def _complete(llm, tokens, max_tokens, stream, model, logprobs, sampling, shape_logprobs):
+def _prompt_list(prompt) -> list:
+    """A completion's prompts: a string or token ids, or (as the OpenAI API allows) a list of those."""
+    if isinstance(prompt, str) or _is_ids(prompt):
+        return [prompt]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
+        return list(prompt)
+    raise ValueError("prompt must be a string, a list of token ids, or a list of strings or of token-id lists "
+                     "(chat messages go to create_chat_completion)")
+
+
+def _is_ids(x) -> bool:
+    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def _head(kind: str, model, llm) -> dict:
+    return {"id": f"{kind}-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
+            "model": model if model is not None else str(llm.model_path)}
+
+
+def _completion(llm, prompt, tokens, max_tokens, stream, logprobs, sampling, head, index=0):
+    text_offset = len(prompt) if isinstance(prompt, str) else len(llm.detokenize(tokens))
+    return _complete(llm, tokens, max_tokens, stream, logprobs, sampling,
+                     lambda records: _completion_logprobs(llm, records, text_offset), head, index)
+
+
+def _chained(streams) -> Iterator[dict]:
+    """The chunks of several streams, one after the other (each created when the one before is done)."""
+    for chunks in streams:
+        try:
+            yield from chunks
+        finally:
+            chunks.close()
+
+
+def _complete(llm, tokens, max_tokens, stream, logprobs, sampling, shape_logprobs, head, index=0):
     """Generate and shape a text_completion (or its chunks); the chat API converts the result."""
+    if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
+        raise ValueError(f"max_tokens must be None or an integer, got {max_tokens!r}")
     if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: as many as the context holds
         max_tokens = max(llm.n_ctx - len(tokens), 1)
-    head = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
-            "model": model if model is not None else str(llm.model_path)}
     out = llm.generate(tokens, max_tokens=max_tokens, stream=stream, logprobs=logprobs, **sampling)
     if stream:
-        return _completion_chunks(head, out, llm.last_stats)
-    choice = {"text": out.text, "index": 0,
+        return _completion_chunks(head, out, llm.last_stats, index)
+    choice = {"text": out.text, "index": index,
               "logprobs": shape_logprobs(out.logprobs) if logprobs is not None else None,
               "finish_reason": out.finish_reason}
     stats = stats_dict(out.stats)
     return {**head, "choices": [choice], "usage": usage(stats), "sfi_stats": stats}
 
 
-def _completion_chunks(head, pieces: Iterator[str], stats) -> Iterator[dict]:
-    for piece in pieces:
-        yield {**head, "choices": [{"text": piece, "index": 0, "logprobs": None, "finish_reason": None}]}
-    yield {**head, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": stats.finish_reason}],
+def _completion_chunks(head, pieces: Iterator[str], stats, index: int = 0) -> Iterator[dict]:
+    try:
+        for piece in pieces:
+            yield {**head, "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}]}
+    finally:
+        pieces.close()  # a stream closed early ends its generation now, not when it is garbage-collected
+    yield {**head, "choices": [{"text": "", "index": index, "logprobs": None, "finish_reason": stats.finish_reason}],
            "sfi_stats": stats_dict(stats)}
 
 
@@ -151,12 +198,17 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
         raise NotImplementedError(f"response_format {response_format!r} is not supported (only text)")
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
+    if logprobs not in (None, True, False):
+        raise ValueError(f"logprobs must be true or false, got {logprobs!r}")
+    if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
+                                     or not 0 <= top_logprobs <= 20):
+        raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
     tokens = llm.prompt_tokens(list(messages))
     n_top = (top_logprobs or 0) if logprobs else None
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
                          presence_penalty, sfi)
-    result = _complete(llm, tokens, max_tokens, stream, model, n_top, sampling,
-                       lambda records: _chat_logprobs(llm, records))
+    result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,
+                       lambda records: _chat_logprobs(llm, records), _head("cmpl", model, llm))
     if stream:
         return _chat_chunks(result)
     choice = result["choices"][0]
@@ -179,15 +231,19 @@ def _chat_logprobs(llm, records) -> dict:
 
 
 def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
-    for i, chunk in enumerate(chunks):
-        head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
-                "object": "chat.completion.chunk"}
-        if i == 0:
-            yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
-                                        "finish_reason": None}]}
-        c = chunk["choices"][0]
-        delta = {"content": c["text"]} if c["finish_reason"] is None else {}
-        out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": c["finish_reason"]}]}
-        if "sfi_stats" in chunk:
-            out["sfi_stats"] = chunk["sfi_stats"]
-        yield out
+    try:
+        for i, chunk in enumerate(chunks):
+            head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
+                    "object": "chat.completion.chunk"}
+            if i == 0:
+                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
+                                            "finish_reason": None}]}
+            c = chunk["choices"][0]
+            delta = {"content": c["text"]} if c["finish_reason"] is None else {}
+            out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                        "finish_reason": c["finish_reason"]}]}
+            if "sfi_stats" in chunk:
+                out["sfi_stats"] = chunk["sfi_stats"]
+            yield out
+    finally:
+        chunks.close()

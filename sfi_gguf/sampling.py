@@ -4,6 +4,8 @@ Sampling happens in C on the context's logits: no per-token copy of the vocabula
 """
 from __future__ import annotations
 
+import math
+import numbers
 import random
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -35,19 +37,36 @@ class SamplingParams:
         return self.repeat_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
 
     def validate(self) -> None:
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
-        if self.seed is not None and not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if not -2.0 <= getattr(self, name) <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        """Raise ValueError naming the first parameter of a wrong type or out of range, before any of
+        them reaches ctypes (a bare ArgumentError) or the sampler chain (NaN or inf would sample garbage)."""
+        finite = lambda v: is_real(v) and math.isfinite(v)  # noqa: E731
+        checks = (
+            ("temperature", finite(self.temperature), "a finite number (<= 0: greedy)"),
+            ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "a number in (0, 1]"),
+            ("min_p", finite(self.min_p) and 0 <= self.min_p <= 1, "a number in [0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "an integer >= 0"),
+            ("repeat_penalty", finite(self.repeat_penalty) and self.repeat_penalty > 0, "a finite number > 0"),
+            ("frequency_penalty", finite(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             "a number in [-2, 2]"),
+            ("presence_penalty", finite(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             "a number in [-2, 2]"),
+            ("penalty_last_n", is_int(self.penalty_last_n) and self.penalty_last_n >= 0, "an integer >= 0"),
+            ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
+             "None or an integer in [0, 2**32)"),
+        )
+        for name, ok, what in checks:
+            if not ok:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+
+def is_int(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_real(value) -> bool:
+    """A real number (an int, a float, numpy's), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 class Sampler:
@@ -58,31 +77,33 @@ class Sampler:
     logits (before penalties and temperature), as llama-cpp-python reports them.
     """
 
-    def __init__(self, params: SamplingParams, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None):
         params.validate()
-        if logprobs is not None and logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
+        if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         self.n_logprobs = logprobs
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         # plain greedy reads the logits in place (an argmax over a zero-copy view): llama_sampler_sample
         # would first build a candidate array of the whole vocabulary, ~0.2 ms per token
         self._plain_greedy = params.temperature <= 0.0 and not params.has_penalties
         self.params = params
-        self.seed = params.seed if params.seed is not None else random.randrange(2**32 - 1)
+        self.seed = int(params.seed) if params.seed is not None else random.randrange(2**32 - 1)
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
         if params.has_penalties:
-            add(llama_cpp.llama_sampler_init_penalties(params.penalty_last_n, params.repeat_penalty,
-                                                       params.frequency_penalty, params.presence_penalty))
+            add(llama_cpp.llama_sampler_init_penalties(n_vocab, int(params.penalty_last_n),
+                                                       float(params.repeat_penalty),
+                                                       float(params.frequency_penalty),
+                                                       float(params.presence_penalty)))
         if params.temperature <= 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
         else:
             if params.top_k > 0:
-                add(llama_cpp.llama_sampler_init_top_k(params.top_k))
-            add(llama_cpp.llama_sampler_init_top_p(params.top_p, 1))
+                add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
+            add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
             if params.min_p > 0.0:
-                add(llama_cpp.llama_sampler_init_min_p(params.min_p, 1))
-            add(llama_cpp.llama_sampler_init_temp(params.temperature))
+                add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
+            add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
             add(llama_cpp.llama_sampler_init_dist(self.seed))
         self._chain = chain
 

@@ -1,31 +1,48 @@
-"""`sfi-gguf serve`: an OpenAI-compatible HTTP server for one `SFILlama`.
+"""`sfi-gguf serve`: an OpenAI-compatible HTTP server for one `SFILlama` (uvicorn + starlette).
 
-Standard library only (`http.server`): a model with one sequence runs requests one at a time under a
-lock; a model created with n_parallel sequences (`serve --parallel N`) decodes up to N requests
-together in one batch (`sfi_gguf.slots`), each with its own SFI state. An async framework would add
-dependencies without adding throughput. llama-cpp-python's own server is built around `llama_cpp.Llama` objects it creates
-itself, so it cannot serve an `SFILlama`.
+A model with one sequence runs requests one at a time (an async lock, so waiting requests hold no
+thread); a model created with n_parallel sequences (`serve --parallel N`) decodes up to N requests
+together in one batch (`sfi_gguf.slots`), each with its own SFI state. Generation runs in worker
+threads; the event loop only reads requests, watches for clients that go away and writes responses.
+uvicorn parses HTTP (chunked bodies, framing errors, disconnect events), which `http.server` would
+leave to hand-written code; llama-cpp-python's own server uses the same stack, but it is built around
+`llama_cpp.Llama` objects it creates itself, so it cannot serve an `SFILlama`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as server-sent
-events when "stream" is true). Every response carries the request's SFI statistics in "sfi_stats".
+events when "stream" is true), GET /health. Every response carries the request's SFI statistics in
+"sfi_stats". Every error is a JSON body of the OpenAI shape ({"error": {"message", "type", ...}}),
+except for bytes that are not HTTP at all, which uvicorn answers with a plain 400 and a closed
+connection. A request body must arrive within `body_timeout` seconds of silence and hold at most
+`max_body_bytes`; a client that disconnects ends its generation before the next token.
 """
 from __future__ import annotations
 
 import contextlib
 import inspect
 import json
+import socket
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+import anyio
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
 
 from . import openai_api
 
 # request fields that only exist for Python callers of llama-cpp-python
 _PYTHON_ONLY = {"stopping_criteria", "logits_processor"}
 # OpenAI request fields we accept without a llama-cpp-python argument of the same name
-_EXTRA = {"n", "user", "stream_options", "max_completion_tokens"}
+_EXTRA = {"n", "best_of", "user", "stream_options", "max_completion_tokens"}
+
+MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is well under 1 MiB of text or token ids
+BODY_TIMEOUT_S = 30.0        # silence allowed while a request body arrives
 
 
 def _accepted(fn) -> set[str]:
@@ -33,147 +50,287 @@ def _accepted(fn) -> set[str]:
 
 
 class RequestError(ValueError):
-    """A request the server refuses (HTTP 400)."""
+    """A request the server refuses, with its HTTP status (400 unless said otherwise)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
-class SFIServer(ThreadingHTTPServer):
-    """Serves one model: requests take turns (`lock`), or share its parallel slots (`slots`)."""
+class _ClientGone(Exception):
+    """The client disconnected before its request was read."""
 
-    daemon_threads = True
 
-    def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None):
+class SFIServer:
+    """Serves one model on a socket bound at construction (port 0 picks a free one, see `url`).
+
+    `serve_forever()` runs uvicorn until `shutdown()` (from another thread) or Ctrl-C;
+    `server_close()` stops the parallel slots and closes the socket (the model stays open).
+    """
+
+    def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+                 verbose: bool = False, body_timeout: float = BODY_TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES):
         self.llm = llm
         self.model_name = model_name or llm.model_path.stem
-        self.lock = threading.Lock()
+        self.verbose = verbose
+        self.body_timeout = body_timeout
+        self.max_body_bytes = max_body_bytes
+        self.created = int(time.time())
         self.slots = None
         if llm.context.n_seq_max > 1:
             from .slots import SlotScheduler
 
             self.slots = SlotScheduler(llm)
-        self.created = int(time.time())
-        super().__init__((host, port), _Handler)
+        self._turn_lock: anyio.Lock | None = None  # created in the server's event loop
+        self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.app = self._app()
+        self._uvicorn = uvicorn.Server(uvicorn.Config(
+            self.app, lifespan="off", log_config=uvicorn.config.LOGGING_CONFIG if verbose else None,
+            log_level="info" if verbose else "warning", access_log=verbose, timeout_graceful_shutdown=5))
+        self._stopped = threading.Event()
+        self._cancels: set[threading.Event] = set()  # one per request in progress
+
+    @property
+    def url(self) -> str:
+        host, port = self.socket.getsockname()[:2]
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}/v1"
+
+    def serve_forever(self) -> None:
+        self._stopped.clear()
+        try:
+            self._uvicorn.run(sockets=[self.socket])
+        finally:
+            self._stopped.set()
+
+    def shutdown(self) -> None:
+        """Stop serve_forever (running in another thread) and wait for it; generations in progress end
+        at their next token."""
+        for cancel in list(self._cancels):
+            cancel.set()
+        self._uvicorn.should_exit = True
+        self._stopped.wait()
 
     def server_close(self) -> None:
         if self.slots is not None:
             self.slots.close()
-        super().server_close()
+        self.socket.close()
 
-    @property
-    def url(self) -> str:
-        host, port = self.server_address[:2]
-        return f"http://{host}:{port}/v1"
+    # -- the application --------------------------------------------------------------------------
+    def _app(self) -> Starlette:
+        generate = lambda fn, main: _Generate(self, fn, main)  # noqa: E731
+        routes = [Route("/v1/models", self._models, methods=["GET"]),
+                  Route("/health", self._health, methods=["GET"]), Route("/", self._health, methods=["GET"]),
+                  Route("/v1/completions", generate(openai_api.create_completion, "prompt"), methods=["POST"]),
+                  Route("/v1/chat/completions", generate(openai_api.create_chat_completion, "messages"),
+                        methods=["POST"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
+
+    async def _models(self, request: Request) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "sfi-gguf"}]})
+
+    async def _health(self, request: Request) -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def turn(self):
+        """A model with one sequence serves one request at a time; parallel slots queue requests themselves."""
+        if self.slots is not None:
+            yield
+            return
+        if self._turn_lock is None:
+            self._turn_lock = anyio.Lock()
+        async with self._turn_lock:
+            yield
+
+    def model_for(self, cancel: threading.Event):
+        """What openai_api drives for one request: generation ends once `cancel` is set."""
+        return self.slots.client(cancel) if self.slots is not None else _Turn(self.llm, cancel)
 
 
-def _kwargs(body: dict[str, Any], fn, main: str, model_name: str) -> dict[str, Any]:
-    """Request JSON -> arguments of openai_api.create_(chat_)completion; unknown fields are refused."""
-    if main not in body:
+class _Turn:
+    """The model for one request of the one-at-a-time server: generate() stops when the client has gone."""
+
+    def __init__(self, llm, cancel: threading.Event):
+        self.llm, self.cancel = llm, cancel
+
+    def __getattr__(self, name):  # prompt_tokens, n_ctx, last_stats ...
+        return getattr(self.llm, name)
+
+    def generate(self, *args, **kwargs):
+        return self.llm.generate(*args, cancel=self.cancel, **kwargs)
+
+
+class _Generate:
+    """POST /v1/completions and /v1/chat/completions, as an ASGI app: reading the body, generating and
+    answering (streamed or not) all watch the connection."""
+
+    def __init__(self, server: SFIServer, fn, main: str):
+        self.server, self.fn, self.main = server, fn, main
+
+    async def __call__(self, scope, receive, send) -> None:
+        srv = self.server
+        try:
+            body = await _read_body(scope, receive, srv.max_body_bytes, srv.body_timeout)
+            kwargs, include_usage = _kwargs(_json(body), self.fn, self.main, srv.model_name)
+        except RequestError as exc:
+            return await _error(exc.status, str(exc))(scope, receive, send)
+        except _ClientGone:
+            return
+        cancel = threading.Event()
+        srv._cancels.add(cancel)
+        async with anyio.create_task_group() as watch:
+            watch.start_soon(_watch_disconnect, receive, cancel)
+            try:
+                async with srv.turn():
+                    if not cancel.is_set():  # (the client may have left while the request waited)
+                        await self._answer(scope, send, kwargs, include_usage, cancel)
+            finally:
+                watch.cancel_scope.cancel()
+                srv._cancels.discard(cancel)
+
+    async def _answer(self, scope, send, kwargs: dict, include_usage: bool, cancel: threading.Event) -> None:
+        model = self.server.model_for(cancel)
+        prompt = kwargs.pop(self.main)
+        stream = kwargs.get("stream")
+        try:
+            result = await anyio.to_thread.run_sync(lambda: self.fn(model, prompt, **kwargs))
+            # a stream's first chunk holds the prefill: its errors are still an HTTP status
+            first = await anyio.to_thread.run_sync(next, result, None) if stream else None
+        except (ValueError, TypeError, NotImplementedError) as exc:
+            return await _error(400, str(exc))(scope, None, send)
+        except Exception as exc:  # noqa: BLE001  (the server keeps serving)
+            return await _error(500, f"{type(exc).__name__}: {exc}")(scope, None, send)
+        if not stream:
+            return await JSONResponse(result)(scope, None, send)
+        await _send_events(send, result, first, include_usage, cancel)
+
+
+async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
+    """The request body, refused when larger than `limit` (413) or silent for `timeout` seconds (408)."""
+    headers = dict(scope["headers"])
+    length = headers.get(b"content-length")
+    if length is not None and int(length) > limit:  # (h11 has refused a Content-Length that is not a number)
+        raise RequestError(f"the request body has {int(length)} bytes, the server accepts at most {limit}", 413)
+    chunks, size = [], 0
+    while True:
+        with anyio.move_on_after(timeout) as waited:
+            message = await receive()
+        if waited.cancelled_caught:
+            raise RequestError(f"the request body did not arrive (nothing for {timeout:g} s)", 408)
+        if message["type"] == "http.disconnect":
+            raise _ClientGone()
+        chunks.append(message.get("body", b""))
+        size += len(chunks[-1])
+        if size > limit:
+            raise RequestError(f"the request body is larger than {limit} bytes", 413)
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def _json(body: bytes) -> Any:
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON value")
+
+    try:
+        return json.loads(body or b"{}", parse_constant=no_constant)
+    except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
+        raise RequestError(f"the request body is not valid JSON: {exc}") from None
+
+
+def _kwargs(body: Any, fn, main: str, model_name: str) -> tuple[dict[str, Any], bool]:
+    """Request JSON -> (arguments of openai_api.create_(chat_)completion, include_usage); refuses what
+    it does not understand, before anything is generated."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object")
+    if body.get(main) is None:
         raise RequestError(f"'{main}' is required")
     unknown = set(body) - _accepted(fn) - _EXTRA - {main}
     if unknown:
         raise RequestError(f"unsupported field(s): {', '.join(sorted(unknown))}")
-    if body.get("n", 1) != 1:
-        raise RequestError("only n=1 is supported")
-    kwargs = {k: v for k, v in body.items() if k not in _EXTRA}
-    if "max_completion_tokens" in body:
+    for name in ("n", "best_of"):
+        if body.get(name, 1) not in (1, None) or body.get(name) is True:
+            raise RequestError(f"only {name}=1 is supported, got {body[name]!r}")
+    if body.get("stream") not in (None, True, False):
+        raise RequestError(f"stream must be true or false, got {body['stream']!r}")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise RequestError(f"stream_options must be an object, got {options!r}")
+    include_usage = (options or {}).get("include_usage")
+    if include_usage not in (None, True, False):
+        raise RequestError(f"stream_options.include_usage must be true or false, got {include_usage!r}")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise RequestError(f"user must be a string, got {body['user']!r}")
+    kwargs = {k: v for k, v in body.items() if k not in _EXTRA and v is not None}  # null: the default
+    if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"] = body["max_completion_tokens"]
+    kwargs["stream"] = bool(body.get("stream"))
     kwargs["model"] = model_name  # the served model answers whatever name the client used
-    return kwargs
+    return kwargs, bool(include_usage)
 
 
-class _Handler(BaseHTTPRequestHandler):
-    server: SFIServer
-    protocol_version = "HTTP/1.0"  # one request per connection: an SSE stream ends when the socket closes
+async def _watch_disconnect(receive, cancel: threading.Event) -> None:
+    """Set `cancel` when the client disconnects (the body was read: the next message is the disconnect)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    cancel.set()
 
-    def log_message(self, fmt, *args):  # quiet unless asked for: one line per request on stderr
-        if getattr(self.server, "verbose", False):
-            super().log_message(fmt, *args)
 
-    # -- routing ----------------------------------------------------------------------------------
-    def do_GET(self):
-        if self.path.rstrip("/") == "/v1/models":
-            self._json(200, {"object": "list", "data": [
-                {"id": self.server.model_name, "object": "model", "created": self.server.created,
-                 "owned_by": "sfi-gguf"}]})
-        elif self.path.rstrip("/") in ("", "/health"):
-            self._json(200, {"status": "ok"})
-        else:
-            self._error(404, f"no route {self.path}")
+async def _send_events(send, chunks, first, include_usage: bool, cancel: threading.Event) -> None:
+    """The chunks as server-sent events, then the usage chunk (if asked for) and [DONE]. An error after
+    the first chunk is reported as an error event (the status line is sent)."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    event = lambda payload: send({"type": "http.response.body", "more_body": True,  # noqa: E731
+                                  "body": b"data: " + json.dumps(payload).encode() + b"\n\n"})
+    totals = None
+    try:
+        chunk, last = first, None
+        while chunk is not None:
+            await event(chunk)
+            last = chunk
+            if "sfi_stats" in chunk:  # the last chunk of a prompt: count its usage
+                u = openai_api.usage(chunk["sfi_stats"])
+                totals = u if totals is None else {k: totals[k] + u[k] for k in u}
+            chunk = await anyio.to_thread.run_sync(next, chunks, None)
+        if include_usage and last is not None and totals is not None:
+            await event({**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [],
+                         "usage": totals})
+    except Exception as exc:  # noqa: BLE001  (the status line is sent: report in the stream)
+        kind = "invalid_request_error" if isinstance(exc, ValueError) else "server_error"
+        await event({"error": {"message": f"{type(exc).__name__}: {exc}", "type": kind, "param": None,
+                               "code": None}})
+    finally:
+        with anyio.CancelScope(shield=True):  # the generation ends (and frees the model) however we leave
+            await anyio.to_thread.run_sync(chunks.close)
+    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    def do_POST(self):
-        routes = {"/v1/completions": (openai_api.create_completion, "prompt"),
-                  "/v1/chat/completions": (openai_api.create_chat_completion, "messages")}
-        route = routes.get(self.path.rstrip("/"))
-        if route is None:
-            return self._error(404, f"no route {self.path}")
-        fn, main = route
-        try:
-            body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
-            if not isinstance(body, dict):
-                raise RequestError("the request body must be a JSON object")
-            kwargs = _kwargs(body, fn, main, self.server.model_name)
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        except (ValueError, RequestError) as exc:
-            return self._error(400, str(exc))
-        slots = self.server.slots
-        with self.server.lock if slots is None else contextlib.nullcontext():
-            try:
-                result = fn(self.server.llm if slots is None else slots.client(), kwargs.pop(main), **kwargs)
-            except (ValueError, TypeError, NotImplementedError) as exc:
-                return self._error(400, str(exc))
-            except Exception as exc:  # noqa: BLE001  (the server keeps serving)
-                return self._error(500, f"{type(exc).__name__}: {exc}")
-            if kwargs.get("stream"):
-                self._stream(result, include_usage)
-            else:
-                self._json(200, result)
 
-    # -- responses --------------------------------------------------------------------------------
-    def _json(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": None}}, status,
+                        headers=headers)
 
-    def _error(self, status: int, message: str) -> None:
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self._json(status, {"error": {"message": message, "type": kind, "param": None, "code": None}})
 
-    def _stream(self, chunks, include_usage: bool) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
-        last = None
-        try:
-            for chunk in chunks:
-                self._event(chunk)
-                last = chunk
-            if include_usage and last is not None:
-                self._event({**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [],
-                             "usage": openai_api.usage(last["sfi_stats"])})
-            self.wfile.write(b"data: [DONE]\n\n")
-            self.wfile.flush()
-        except (BrokenPipeError, ConnectionResetError):
-            pass  # the client went away: stop generating
-        except Exception as exc:  # noqa: BLE001  (headers are sent: report in the stream)
-            self._event({"error": {"message": f"{type(exc).__name__}: {exc}", "type": "server_error"}})
-        finally:
-            close = getattr(chunks, "close", None)
-            if close:
-                close()
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """starlette's routing errors (404, 405) in the OpenAI shape."""
+    if exc.status_code == 404:
+        message = f"no route {request.url.path}"
+    elif exc.status_code == 405:
+        message = f"{request.method} is not allowed on {request.url.path} (allowed: {exc.headers.get('Allow')})"
+    else:
+        message = str(exc.detail)
+    return _error(exc.status_code, message, headers=exc.headers)
 
-    def _event(self, payload: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
-        self.wfile.flush()
+
+async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+    return _error(500, f"{type(exc).__name__}: {exc}")
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           verbose: bool = False) -> None:
     """Serve until interrupted (Ctrl-C)."""
-    server = SFIServer(llm, host, port, model_name)
-    server.verbose = verbose
+    server = SFIServer(llm, host, port, model_name, verbose=verbose)
     slots = f", {server.slots.n_slots} parallel slots" if server.slots else ""
     print(f"sfi-gguf serve: {server.url} (model '{server.model_name}'{slots}); Ctrl-C stops", file=sys.stderr,
           flush=True)

@@ -148,6 +148,30 @@ def test_chat_equals_llama_cpp_python(llm):
     assert "sfi_stats" in chunks[-1]
 
 
+def test_penalties_equal_llama_cpp_python(llm):
+    """repeat, frequency and presence penalties: the greedy text of llama_cpp.Llama on the same library
+    (both run llama.cpp's penalties sampler over the generated tokens, last 64), and not the text
+    without penalties (they did act)."""
+    from llama_cpp import Llama
+
+    prompt = "List the word 'cache' ten times, separated by spaces:"
+    cases = (dict(repeat_penalty=1.3), dict(frequency_penalty=1.0),
+             dict(repeat_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5))
+    ref = Llama(str(ensure_model()), n_ctx=1024, n_threads=THREADS, n_threads_batch=THREADS, flash_attn=True,
+                verbose=False)
+    expected = [ref.create_completion(prompt, max_tokens=24, temperature=0, **kw)["choices"][0]["text"]
+                for kw in ({}, *cases)]
+    del ref
+    plain = llm.create_completion(prompt, max_tokens=24, temperature=0)["choices"][0]["text"]
+    assert plain == expected[0]
+    for kw, want in zip(cases, expected[1:]):
+        got = llm.create_completion(prompt, max_tokens=24, temperature=0, **kw)["choices"][0]["text"]
+        assert got == want != plain, kw
+        assert llm.generate(prompt, max_tokens=24, temperature=0, **kw).text == want
+    chat = llm.create_chat_completion(CHAT, max_tokens=4, temperature=0, presence_penalty=0.5)
+    assert chat["usage"]["completion_tokens"] == 4
+
+
 def test_chat_logprobs(llm):
     out = llm.create_chat_completion(CHAT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
     content = out["choices"][0]["logprobs"]["content"]

@@ -8,6 +8,9 @@ this fast; SFI is made active at their small contexts with a small budget.
 """
 from __future__ import annotations
 
+import inspect
+import threading
+
 import pytest
 
 from sfi_gguf import SFILlama
@@ -93,6 +96,11 @@ def test_gguf_with_garbage_metadata_is_refused(tmp_path, tiny_path):
 
 # -- bad input: context and configuration ---------------------------------------------------------
 
+def test_a_model_path_of_the_wrong_type_names_the_parameter():
+    with pytest.raises(ValueError, match="model_path must be"):
+        SFILlama(5)
+
+
 def test_n_ctx_above_training_context_frees_the_model(tiny_path, monkeypatch):
     freed = FreeCounter(monkeypatch)
     with pytest.raises(ValueError, match="n_ctx=40000 is above the model's training context"):
@@ -119,8 +127,14 @@ def test_context_creation_failure_frees_the_model(tiny_path, monkeypatch):
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(n_ctx=-1), "n_ctx must be >= 0"), (dict(n_batch=0), "n_batch must be >= 1"),
-    (dict(n_threads=0), "n_threads must be >= 1"), (dict(sfi="nope"), r"SFIConfig\.policy='nope'"),
+    (dict(n_ctx=-1), "n_ctx must be an integer >= 0"), (dict(n_batch=0), "n_batch must be an integer >= 1"),
+    (dict(n_threads=0), "n_threads must be an integer >= 1"), (dict(sfi="nope"), r"SFIConfig\.policy='nope'"),
+    (dict(n_ctx="512"), "n_ctx must be an integer"), (dict(n_ctx=512.0), "n_ctx must be an integer"),
+    (dict(n_threads=10_000), "n_threads must be at most 512"), (dict(n_threads=1.5), "n_threads must be an integer"),
+    (dict(n_batch=None), "n_batch must be an integer"), (dict(n_parallel=0), "n_parallel must be an integer >= 1"),
+    (dict(n_gpu_layers="all"), "n_gpu_layers must be an integer"), (dict(flash_attn="yes"), "flash_attn must be"),
+    (dict(tensor_split="ab"), "tensor_split must hold"), (dict(rpc_servers=5), "rpc_servers must be"),
+    (dict(split_mode=None), "split_mode must be one of"),
     (dict(sfi=dict(n_recent=-1)), r"SFIConfig\.n_recent=-1"), (dict(sfi=dict(k_head=-64)), r"SFIConfig\.k_head=-64"),
     (dict(sfi=dict(k_heads=5)), "k_heads"), (dict(sfi=3), "sfi must be"),
 ])
@@ -130,6 +144,24 @@ def test_bad_constructor_arguments_name_the_parameter(tiny_path, kwargs, match, 
     with pytest.raises(ValueError, match=match):
         SFILlama(str(tiny_path), **args)
     assert freed.models == 0  # refused before the model was loaded
+
+
+@pytest.mark.parametrize("n_ctx", [1, 8, 300])
+def test_n_ctx_is_exact(tiny_path, n_ctx):
+    """llama.cpp allocates at least 256 cells (in steps of 256); the context still holds n_ctx tokens."""
+    with make(tiny_path, n_ctx=n_ctx, sfi=True) as llm:
+        assert llm.n_ctx == n_ctx
+        with pytest.raises(ValueError, match=f"the context holds {n_ctx}"):
+            llm.generate([5] * n_ctx, max_tokens=1)
+        if n_ctx > 1:
+            out = llm.generate([5] * (n_ctx - 1), max_tokens=50, temperature=0, ignore_eos=True)
+            assert out.stats.n_ctx_end == n_ctx and len(out.tokens) == 2 and out.finish_reason == "length"
+
+
+def test_more_threads_than_cpus_warns(tiny_path, monkeypatch):
+    monkeypatch.setattr("sfi_gguf.llama.default_threads", lambda: 2)
+    with pytest.warns(RuntimeWarning, match="more than this machine's 2 CPUs"):
+        SFILlama(str(tiny_path), n_ctx=N_CTX, n_threads=3).close()
 
 
 def test_k_head_larger_than_the_context(tiny_path, monkeypatch):
@@ -176,13 +208,72 @@ def test_bad_prompts(tiny_path):
         assert len(out.tokens) == N_CTX - 200 + 1
 
 
-def test_use_after_close_raises_instead_of_crashing(tiny_path):
-    llm = make(tiny_path)
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=float("inf")), "temperature must be a finite number"), (dict(temperature="0.5"), "temperature"),
+    (dict(top_k=2.5), "top_k must be an integer"), (dict(top_k=-1), "top_k must be an integer >= 0"),
+    (dict(seed=1.5), "seed must be None or an integer"), (dict(seed=2**32), "seed"), (dict(seed=True), "seed"),
+    (dict(top_p=float("nan")), "top_p"), (dict(min_p=2), "min_p"), (dict(repeat_penalty=0), "repeat_penalty"),
+    (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(frequency_penalty=3), "frequency_penalty"),
+    (dict(stop=[1, 2]), "stop must be None, a string or a list of strings"), (dict(stop=5), "stop"),
+    (dict(max_tokens=2.0), "max_tokens must be"), (dict(logprobs=-1), "logprobs"),
+    (dict(logprobs="3"), "logprobs"), (dict(stream="yes"), "stream must be True or False"),
+    (dict(ignore_eos=None), "ignore_eos"), (dict(sfi={"k_head": "64"}), r"SFIConfig\.k_head"),
+])
+def test_bad_generation_arguments_name_the_parameter(tiny_path, kwargs, match):
+    """Wrong types and values (NaN and inf too) raise ValueError naming the parameter, from generate,
+    generate_batch and the llama-cpp-python API alike, before anything is decoded."""
+    with make(tiny_path, n_parallel=2) as llm:
+        with pytest.raises(ValueError, match=match):
+            llm.generate("hi", **{"max_tokens": 2, **kwargs})
+        if not {"stream", "logprobs"} & set(kwargs):
+            with pytest.raises(ValueError, match=match):
+                llm.generate_batch(["hi", "ho"], **{"max_tokens": 2, **kwargs})
+        if "ignore_eos" not in kwargs:
+            with pytest.raises(ValueError, match=match):
+                llm.create_completion("hi", **{"max_tokens": 2, **kwargs})
+        assert llm.context.tokens == []  # nothing was decoded
+        assert llm.generate("hi", max_tokens=2, temperature=0).stats.n_generated >= 1
+
+
+# an argument for each parameter without a default of a public SFILlama method (a new method whose
+# parameter is missing here fails the test below, which then covers it)
+CALL_ARGS = {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}], "text": "hi", "tokens": [5, 6],
+             "prompts": ["hi", "ho"], "config": SFIConfig()}
+
+
+def _public_methods():
+    """Every public method of SFILlama, by introspection, with the positional arguments it needs."""
+    for name, fn in inspect.getmembers(SFILlama, inspect.isfunction):
+        if name.startswith("_") and name not in ("__call__", "__enter__"):
+            continue
+        params = list(inspect.signature(fn).parameters.values())[1:]
+        needed = [p.name for p in params if p.default is p.empty
+                  and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        missing = [n for n in needed if n not in CALL_ARGS]
+        assert not missing, f"SFILlama.{name}: add an argument for {missing} to CALL_ARGS"
+        yield name, [CALL_ARGS[n] for n in needed]
+
+
+def test_every_public_method_after_close_raises_instead_of_crashing(tiny_path):
+    llm = make(tiny_path, n_parallel=2)
     llm.generate(prompt_tokens(), max_tokens=4, temperature=0)
+    llm.generate_batch([prompt_tokens(50), prompt_tokens(60)], max_tokens=2, temperature=0)
+    stream = llm.generate(prompt_tokens(), max_tokens=8, temperature=0, stream=True)
+    next(stream)
     llm.close()
     llm.close()  # twice is fine
-    for call in (lambda: llm.generate("hi", max_tokens=2), lambda: llm.tokenize("hi"),
-                 lambda: llm.detokenize([5, 6]), llm.reset):
+    assert llm.closed
+    methods = dict(_public_methods())
+    assert {"generate", "create_chat_completion", "apply_chat_template", "tokenize", "reset"} <= set(methods)
+    for name, args in methods.items():
+        if name == "close":
+            continue
+        with pytest.raises(ContextError, match="closed"):
+            getattr(llm, name)(*args)
+    with pytest.raises(ContextError, match="closed"):
+        next(stream)  # a stream open when its model was closed
+    for call in (llm.context.chat_template, lambda: llm.context.metadata("general.name"), lambda: llm.context.is_eog(2)):
         with pytest.raises(ContextError, match="closed"):
             call()
 
@@ -243,6 +334,97 @@ def test_a_superseded_stream_raises_instead_of_decoding(tiny_path):
         with make(tiny_path) as fresh:
             assert fresh.generate(prompt_tokens(seed=4), max_tokens=20, temperature=0, ignore_eos=True).tokens == \
                 second.tokens
+
+
+# -- threads ---------------------------------------------------------------------------------------
+
+def _run_threads(target, n):
+    errors = []
+
+    def run(i):
+        try:
+            target(i)
+        except BaseException as exc:  # noqa: BLE001  (reported by the test)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_threads_sharing_one_model_take_turns(tiny_path):
+    """Calls from several threads are serialised: each gets the tokens of the same call alone (two
+    llama_decode calls at once on one context abort the process in ggml). Every prompt starts with its
+    own token, so no call reuses another's cache (a reused prefix may round differently)."""
+    prompts = [[3 + k] + prompt_tokens(120, seed=10 + k) for k in range(12)]  # 4 threads x 3 calls
+    kw = dict(max_tokens=24, temperature=0, ignore_eos=True)
+    with make(tiny_path) as llm:
+        want = [llm.generate(p, **kw).tokens for p in prompts]
+        got = {}
+
+        def calls(i):
+            for k in range(i, 12, 4):
+                got[k] = llm.generate(prompts[k], **kw).tokens if k < 8 else \
+                    llm.create_completion(prompts[k], max_tokens=24, temperature=0)["choices"][0]["text"]
+
+        assert _run_threads(calls, 4) == []
+        for k in range(12):
+            if k < 8:
+                assert got[k] == want[k]
+            else:  # (the text may end early, on an end-of-generation token)
+                assert llm.detokenize(want[k]).startswith(got[k])
+
+
+def test_streams_in_threads_finish_or_are_superseded(tiny_path):
+    """A stream holds the model only while it computes a token: a call from another thread in between
+    supersedes it (RuntimeError at its next token), as a call from the same thread does; a stream that
+    is not superseded gives the text of the same call alone."""
+    prompts = [[3 + i] + prompt_tokens(120, seed=20 + i) for i in range(3)]
+    kw = dict(max_tokens=32, temperature=0, ignore_eos=True)
+    with make(tiny_path) as llm:
+        want = [llm.generate(p, **kw).text for p in prompts]
+        finished, superseded = {}, []
+
+        def stream(i):
+            pieces = []
+            try:
+                for piece in llm.generate(prompts[i], stream=True, **kw):
+                    pieces.append(piece)
+            except RuntimeError as exc:
+                assert "superseded" in str(exc)
+                superseded.append(i)
+            else:
+                finished[i] = "".join(pieces)
+
+        assert _run_threads(stream, 3) == []
+        assert len(finished) + len(superseded) == 3 and finished  # the last call's stream always finishes
+        assert all(text == want[i] for i, text in finished.items())
+
+
+def test_close_from_another_thread_waits_for_the_token_in_progress(tiny_path):
+    llm = make(tiny_path)
+    started, outcome = threading.Event(), []
+
+    def reader(_):
+        try:
+            for i, _ in enumerate(llm.generate(prompt_tokens(), max_tokens=300, temperature=0, stream=True,
+                                               ignore_eos=True)):
+                started.set()
+            outcome.append("finished")
+        except ContextError as exc:
+            outcome.append(str(exc))
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=reader, args=(0,))
+    thread.start()
+    started.wait()
+    llm.close()
+    thread.join()
+    assert outcome == ["finished"] or "closed" in outcome[0]
 
 
 # -- determinism -----------------------------------------------------------------------------------
