@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare .gpu/ (git-ignored, < 64 MiB) for a GPU machine that reaches no package index:
 #   .gpu/llama.cpp   the pinned llama.cpp tree, unpatched, trimmed to what a CUDA build reads
-#   .gpu/wheels      pure-Python wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf)
+#   .gpu/wheels      pure-Python wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf,
+#                    starlette, uvicorn)
 #   .gpu/vocab.gguf  the default model's tokenizer alone (random-weight benchmark models carry it)
 # Then scripts/gpu_run.sh runs there (build with CUDA, tests, benchmarks).
 set -euo pipefail
@@ -20,7 +21,8 @@ mv "$src" .gpu/llama.cpp
 rm -rf "$tmp"
 # llama-cpp-python: Python bindings only (our package provides the library)
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w .gpu/wheels
-"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0
+"$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0 \
+    starlette==1.10.0 uvicorn==0.54.0   # the server's; its other needs (anyio, h11, click) are in the GPU image
 "$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
 git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: git rev-parse HEAD > .gpu/COMMIT
 du -sh .gpu .gpu/*
