@@ -1,12 +1,15 @@
 #!/usr/bin/env python3
-"""Produce the patched llama.cpp tree that CMake builds.
+"""Produce the llama.cpp tree that CMake builds: the pinned tree, patched, with our sources in it.
 
 The pinned source is the llama.cpp tree vendored in the llama-cpp-python sdist on PyPI (fetched with
-pip, sha256 checked, cached outside the repo). The patches in native/patches are applied in order.
-A local unpatched tree can be given instead (--source), for machines without a package index.
+pip, sha256 checked, cached outside the repo). The patches in native/patches (the hooks that call our
+code, and ggml changes) are applied in order, and native/src, native/include and native/ggml are copied
+into the tree's src/, include/ and ggml/. A local unpatched tree can be given instead (--source), for machines
+without a package index.
 
-The output tree is rewritten only when the sdist or a patch changed (stamp file), so a persistent
-build directory rebuilds incrementally. Standard library only: this runs before anything is installed.
+The output tree is rewritten only when the sdist or a patch changed (stamp file), and our sources are
+copied only when their bytes changed, so a persistent build directory rebuilds incrementally. Standard
+library only: this runs before anything is installed.
 """
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ VENDOR_PREFIX = f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}/vendor/llama.cpp/"
 # Parts of the vendored tree the build never reads (large, or backends we do not build).
 SKIP_DIRS = ("models/", "docs/", "media/", "benches/", ".github/", "tools/server/public", "tools/ui")
 
-PATCH_DIR = Path(__file__).resolve().parent / "patches"
+NATIVE_DIR = Path(__file__).resolve().parent
+PATCH_DIR = NATIVE_DIR / "patches"
+# our sources, and where they go in the tree (sub-folders kept)
+SOURCE_DIRS = {NATIVE_DIR / "src": "src", NATIVE_DIR / "include": "include", NATIVE_DIR / "ggml": "ggml"}
 
 
 def cache_dir() -> Path:
@@ -111,8 +117,18 @@ def apply_patches(tree: Path) -> None:
         result = subprocess.run(cmd, cwd=tree, capture_output=True, text=True, env=env)
         if result.returncode != 0:
             raise SystemExit(f"sfi-gguf: patch {patch.name} does not apply:\n{result.stderr}")
-    if patches() and not (tree / "src" / "llama-sfi.cpp").exists():
-        raise SystemExit("sfi-gguf: the patches did not take effect (src/llama-sfi.cpp missing)")
+    if patches() and "llama-sfi" not in (tree / "src" / "CMakeLists.txt").read_text():
+        raise SystemExit("sfi-gguf: the patches did not take effect (src/CMakeLists.txt does not list llama-sfi*.cpp)")
+
+
+def copy_sources(tree: Path) -> None:
+    """native/src, native/include and native/ggml into the tree (only the files whose bytes changed)."""
+    for src_dir, rel in SOURCE_DIRS.items():
+        for path in sorted(src_dir.rglob("*")):
+            out = tree / rel / path.relative_to(src_dir)
+            if path.is_file() and (not out.exists() or out.read_bytes() != path.read_bytes()):
+                out.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(path, out)
 
 
 def prepare(dest: Path, source: Path | None) -> None:
@@ -125,6 +141,7 @@ def prepare(dest: Path, source: Path | None) -> None:
     stamp = stamp_for(source_id)
     stamp_file = dest / ".sfi-stamp"
     if stamp_file.exists() and stamp_file.read_text() == stamp:
+        copy_sources(dest)
         return
     staging = dest.with_name(dest.name + ".staging")
     shutil.rmtree(staging, ignore_errors=True)
@@ -134,6 +151,7 @@ def prepare(dest: Path, source: Path | None) -> None:
     else:
         extract_sdist(fetch_sdist(), staging)
     apply_patches(staging)
+    copy_sources(staging)
     sync_tree(staging, dest)
     shutil.rmtree(staging)
     stamp_file.write_text(stamp)

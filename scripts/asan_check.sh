@@ -1,27 +1,26 @@
 #!/usr/bin/env bash
 # Run the native tests, the llama_sfi_* fuzzer and the Python-level bad-input tests (files, values,
-# types, closed objects, threads) against an AddressSanitizer build of the dev tree.
+# types, closed objects, threads) against an AddressSanitizer build of our llama.cpp tree.
 #
-# Why: a use-after-free or an out-of-bounds write in the patch does not always crash a Release build;
+# Why: a use-after-free or an out-of-bounds write in our native code does not always crash a Release build;
 # ASan turns it into a report with a stack. The build is separate (~/.cache/sfi-gguf/asan-build) and
-# configured once; later runs rebuild only what changed (e.g. after the dev tree was rebased).
+# configured once; later runs rebuild only what changed (e.g. after an edit of native/src).
 #
 #   bash scripts/asan_check.sh               # build if needed, then run the tests
 #   bash scripts/asan_check.sh --build-only
 #   bash scripts/asan_check.sh -k fuzz -x    # extra arguments go to pytest
 #
-# Env: SFI_DEV_TREE (default ~/.cache/sfi-gguf/dev/llama.cpp where it exists, else the tree the CMake build
-# prepares, in ~/.cache/sfi-gguf/asan-src), SFI_ASAN_BUILD (default ~/.cache/sfi-gguf/asan-build),
-# SFI_ASAN_TESTS (default: tests/test_native.py tests/test_fuzz_native.py tests/test_reliability.py
-# tests/test_server_robust.py).
+# Env: SFI_DEV_TREE (a prepared llama.cpp tree to build instead; default: the pinned sdist with native/patches
+# applied and our sources copied in, by native/prepare_llama_cpp.py, in ~/.cache/sfi-gguf/asan-src), SFI_ASAN_BUILD
+# (default ~/.cache/sfi-gguf/asan-build), SFI_ASAN_TESTS (default: tests/test_native.py tests/test_fuzz_native.py
+# tests/test_reliability.py tests/test_server_robust.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${SFI_GGUF_CACHE:-$HOME/.cache/sfi-gguf}
-SRC=${SFI_DEV_TREE:-$CACHE/dev/llama.cpp}
 BUILD=${SFI_ASAN_BUILD:-$CACHE/asan-build}
 PY=${PYTHON:-python3}
-if [ ! -d "$SRC" ]; then  # no dev tree (CI, a fresh machine): what the CMake build prepares, kept up to date
-    SRC=$CACHE/asan-src
+SRC=${SFI_DEV_TREE:-$CACHE/asan-src}
+if [ -z "${SFI_DEV_TREE:-}" ]; then  # kept up to date with this checkout (copies only what changed)
     "$PY" native/prepare_llama_cpp.py --dest "$SRC"
 fi
 

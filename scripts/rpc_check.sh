@@ -1,26 +1,25 @@
 #!/usr/bin/env bash
-# SFI over llama.cpp's RPC backend: build the dev tree with GGML_RPC (and its rpc-server), then run
+# SFI over llama.cpp's RPC backend: build our llama.cpp tree with GGML_RPC (and its rpc-server), then run
 # tests/test_rpc.py, which starts two rpc-server processes on loopback (CPU backend), puts the layers on
 # them and checks SFI decoding against dense decoding and against the same model run locally.
 #
 # The build is separate (~/.cache/sfi-gguf/rpc-build), configured once; later runs rebuild only what
-# changed (e.g. after the dev tree was rebased). Only libllama, libggml* and the rpc-server are built.
+# changed (e.g. after an edit of native/src). Only libllama, libggml* and the rpc-server are built.
 #
 #   bash scripts/rpc_check.sh               # build if needed, then run the tests
 #   bash scripts/rpc_check.sh --build-only
 #   bash scripts/rpc_check.sh -k exact -x   # extra arguments go to pytest
 #
-# Env: SFI_DEV_TREE (default ~/.cache/sfi-gguf/dev/llama.cpp where it exists, else the pinned sdist with
-# native/patches applied, prepared in ~/.cache/sfi-gguf/rpc-src), SFI_RPC_BUILD (default
-# ~/.cache/sfi-gguf/rpc-build). Cost: the first build takes ~6 CPU-minutes (~3-4 min on 2 idle cores).
+# Env: SFI_DEV_TREE (a prepared llama.cpp tree to build instead; default: the pinned sdist with native/patches
+# applied and native/src copied in, by native/prepare_llama_cpp.py, in ~/.cache/sfi-gguf/rpc-src), SFI_RPC_BUILD
+# (default ~/.cache/sfi-gguf/rpc-build). Cost: the first build takes ~6 CPU-minutes (~3-4 min on 2 idle cores).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${SFI_GGUF_CACHE:-$HOME/.cache/sfi-gguf}
-SRC=${SFI_DEV_TREE:-$CACHE/dev/llama.cpp}
 BUILD=${SFI_RPC_BUILD:-$CACHE/rpc-build}
 PY=${PYTHON:-python3}
-if [ ! -d "$SRC" ]; then  # no dev tree (CI): the pinned sdist with native/patches applied, kept up to date
-    SRC=$CACHE/rpc-src
+SRC=${SFI_DEV_TREE:-$CACHE/rpc-src}
+if [ -z "${SFI_DEV_TREE:-}" ]; then  # kept up to date with this checkout (copies only what changed)
     "$PY" native/prepare_llama_cpp.py --dest "$SRC"
 fi
 

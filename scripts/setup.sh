@@ -2,7 +2,7 @@
 # Set up sfi-gguf on this machine (idempotent; a re-run with nothing changed takes seconds):
 #  1. llama-cpp-python's Python bindings, without its own llama.cpp build (LLAMA_BUILD=OFF);
 #  2. sfi-gguf, which builds the pinned, patched llama.cpp once, in a build directory cached under
-#     ~/.cache/sfi-gguf keyed by everything that changes the binary (patches, CMake args, CPU).
+#     ~/.cache/sfi-gguf keyed by everything that changes the binary (patches, our sources, CMake args, CPU).
 # CMAKE_ARGS works as for llama-cpp-python, e.g. CMAKE_ARGS="-DGGML_CUDA=ON" scripts/setup.sh
 # SFI_LLAMA_CPP_SOURCE=/path/to/llama.cpp uses a local unpatched tree instead of the PyPI sdist.
 set -euo pipefail
@@ -35,6 +35,7 @@ fi
 
 CPU_ID=$(grep -m1 -E '^(flags|Features)' /proc/cpuinfo 2>/dev/null || uname -m)
 KEY=$( { cat CMakeLists.txt pyproject.toml native/prepare_llama_cpp.py native/patches/*.patch native/bench/*.c native/tests/*.cpp;
+         find native/src native/include native/ggml -type f | LC_ALL=C sort | xargs cat;
          echo "${CMAKE_ARGS:-}" "${SFI_LLAMA_CPP_SOURCE:-}" "$CPU_ID"; } | sha256sum | cut -c1-16)
 BUILD_DIR="$CACHE/build/$KEY"
 echo "sfi-gguf: building in $BUILD_DIR"

@@ -1,0 +1,35 @@
+#pragma once
+
+// ggml ops of Slow-Fast Inference (SFI): the slow step's attention evidence, fused
+
+#include "ggml.h"
+
+#ifdef  __cplusplus
+extern "C" {
+#endif
+
+    // The SFI evidence of each cell for each KV head: the attention probabilities of the query rows of the head's
+    // GQA group, raised to alpha and summed over the rows,
+    //   evidence[c, h, b] = sum_j softmax_c(mask[c, j % n_rows, 0, b % nm] + s(j, c))^alpha,
+    //   s(j, c) = q[:, j, h, b] . k[:, c, h, b], or softcap*tanh(q . k) when softcap > 0,
+    // the same values as soft_max_ext(mul_mat(k, q), mask) followed by the power and the sum, without the
+    // [n_kv, n_q] probabilities of every row in a graph tensor: each key is read once.
+    //
+    // q:    F32 [n_embd, n_q, n_head_kv, nb]  the query rows of each KV head, scaled (row j is token row j % n_rows)
+    // k:    [n_embd, n_kv, n_head_kv, nb]     any type with to_float (F32, F16, Q8_0 ...), any strides
+    // mask: F16 or F32 [n_kv, n_rows, 1, nm]  nb % nm == 0; -INFINITY excludes a cell
+    // res:  F32 [n_kv, n_head_kv, nb]
+    //
+    // alpha > 0; a row whose cells are all excluded adds nothing
+    GGML_API struct ggml_tensor * ggml_sfi_evidence(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * q,
+            struct ggml_tensor  * k,
+            struct ggml_tensor  * mask,
+            int                   n_rows,
+            float                 alpha,
+            float                 softcap);
+
+#ifdef  __cplusplus
+}
+#endif

@@ -1,0 +1,119 @@
+// CPU forward of the SFI ops (see ggml-sfi.h)
+
+#include "sfi-ops.h"
+
+#include "ggml-cpu.h"
+#include "ggml-cpu-impl.h"
+#include "ggml-impl.h"
+#include "ops.h"
+#include "simd-mappings.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+// per thread: the scores of every query row of one (head, batch) pair, and those rows in the keys' vec_dot type
+static size_t sfi_evidence_bytes_per_thread(const ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_type vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
+    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + ggml_row_size(vec_dot_type, q->ne[0])*q->ne[1], CACHE_LINE_SIZE);
+}
+
+size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
+    switch (node->op) {
+        case GGML_OP_SFI_EVIDENCE:
+            return sfi_evidence_bytes_per_thread(node)*n_tasks;
+        default:
+            return 0;
+    }
+}
+
+static float sfi_mask_value(const ggml_tensor * mask, int64_t c, int64_t r, int64_t b) {
+    const char * p = (const char *) mask->data + c*mask->nb[0] + r*mask->nb[1] + (b % mask->ne[3])*mask->nb[3];
+    return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p) : *(const float *) p;
+}
+
+// one thread per (head, batch) pair at a time: the scores of every row, their max and sum, then the evidence. The
+// products are the CPU's own (the query rows converted to the keys' vec_dot type, as mul_mat and flash attention do),
+// so the probabilities are those of the attention the step computed
+void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * q    = dst->src[0];
+    const ggml_tensor * k    = dst->src[1];
+    const ggml_tensor * mask = dst->src[2];
+
+    const int32_t n_rows  = ggml_get_op_params_i32(dst, 0);
+    const float   alpha   = ggml_get_op_params_f32(dst, 1);
+    const float   softcap = ggml_get_op_params_f32(dst, 2);
+
+    const int64_t n_embd    = q->ne[0];
+    const int64_t n_q       = q->ne[1];
+    const int64_t n_head_kv = k->ne[2];
+    const int64_t n_kv      = k->ne[1];
+    const int64_t nb        = k->ne[3];
+
+    GGML_ASSERT(q->nb[0] == sizeof(float));
+    GGML_ASSERT(k->nb[0] == ggml_type_size(k->type));
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const auto *    k_traits     = ggml_get_type_traits_cpu(k->type);
+    const ggml_type vec_dot_type = k_traits->vec_dot_type;
+    const auto *    q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
+    GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
+
+    const size_t q_row_size = ggml_row_size(vec_dot_type, n_embd);
+
+    char  * work   = (char *) params->wdata + params->ith*sfi_evidence_bytes_per_thread(dst);
+    float * scores = (float *) work;
+    char  * q_conv = work + sizeof(float)*n_q*n_kv;
+
+    for (int64_t pair = params->ith; pair < n_head_kv*nb; pair += params->nth) {
+        const int64_t h = pair % n_head_kv;
+        const int64_t b = pair / n_head_kv;
+
+        for (int64_t j = 0; j < n_q; ++j) {
+            const float * qj = (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]);
+            if (vec_dot_type == GGML_TYPE_F32) {
+                memcpy(q_conv + j*q_row_size, qj, q_row_size);
+            } else {
+                q_traits->from_float(qj, q_conv + j*q_row_size, n_embd);
+            }
+        }
+
+        for (int64_t c = 0; c < n_kv; ++c) {
+            const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
+            for (int64_t j = 0; j < n_q; ++j) {
+                float s = 0.0f;
+                k_traits->vec_dot(n_embd, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+                if (softcap > 0.0f) {
+                    s = softcap*tanhf(s);
+                }
+                scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_rows, b);
+            }
+        }
+
+        float * evid = (float *) ((char *) dst->data + h*dst->nb[1] + b*dst->nb[2]);
+        std::fill(evid, evid + n_kv, 0.0f);
+
+        for (int64_t j = 0; j < n_q; ++j) {
+            const float * sj = scores + j*n_kv;
+
+            float max = -INFINITY;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                max = std::max(max, sj[c]);
+            }
+            if (max == -INFINITY) {
+                continue; // every cell excluded
+            }
+            double sum = 0.0;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                sum += expf(sj[c] - max);
+            }
+            // p^alpha = exp(alpha*(s - max)) / sum^alpha
+            const float scale = (float) std::pow(sum, -(double) alpha);
+            for (int64_t c = 0; c < n_kv; ++c) {
+                evid[c] += expf(alpha*(sj[c] - max))*scale;
+            }
+        }
+    }
+}

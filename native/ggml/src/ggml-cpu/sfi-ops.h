@@ -1,0 +1,22 @@
+#pragma once
+
+// CPU forward of the SFI ops (see ggml-sfi.h); the reference the other backends are tested against
+
+#include "ggml.h"
+
+#include <stddef.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+struct ggml_compute_params;
+
+// bytes of work buffer a node of an SFI op takes with n_tasks threads
+size_t ggml_sfi_op_work_size(const struct ggml_tensor * node, int n_tasks);
+
+void ggml_compute_forward_sfi_evidence(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+
+#ifdef __cplusplus
+}
+#endif

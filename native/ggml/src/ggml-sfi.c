@@ -1,0 +1,36 @@
+// ggml ops of Slow-Fast Inference (SFI): graph constructors (see ggml-sfi.h)
+
+#include "ggml-sfi.h"
+#include "ggml-impl.h"
+
+struct ggml_tensor * ggml_sfi_evidence(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * mask,
+        int                   n_rows,
+        float                 alpha,
+        float                 softcap) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32);
+    GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(q->ne[0] == k->ne[0]);
+    GGML_ASSERT(q->ne[2] == k->ne[2] && q->ne[3] == k->ne[3]);
+    GGML_ASSERT(n_rows > 0 && q->ne[1] % n_rows == 0);
+    GGML_ASSERT(mask->ne[0] == k->ne[1] && mask->ne[1] == n_rows && mask->ne[2] == 1);
+    GGML_ASSERT(q->ne[3] % mask->ne[3] == 0);
+    GGML_ASSERT(alpha > 0.0f && softcap >= 0.0f);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k->ne[1], k->ne[2], k->ne[3]);
+
+    int32_t params[3] = { n_rows };
+    memcpy(params + 1, &alpha,   sizeof(float));
+    memcpy(params + 2, &softcap, sizeof(float));
+    ggml_set_op_params(result, params, sizeof(params));
+
+    result->op     = GGML_OP_SFI_EVIDENCE;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = mask;
+
+    return result;
+}

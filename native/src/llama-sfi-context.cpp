@@ -1,0 +1,285 @@
+// The SFI state of a llama_context: each decode's step, and the copy of a slow step's exports to the host
+#include "llama-sfi-context.h"
+
+#include "llama-sfi-graph.h"
+#include "llama-sfi-view.h"
+
+#include "llama-batch.h"
+#include "llama-hparams.h"
+#include "llama-kv-cache.h"
+#include "llama-model.h"
+
+#include <algorithm>
+#include <cstring>
+
+llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache * kv, std::shared_ptr<llama_sfi_view> view,
+        const llama_sfi_params & params) : model(model), kv(kv), view(std::move(view)), params(params) {
+    exports.resize(this->view->streams.size());
+    kv->set_sfi(this->view);
+}
+
+llama_sfi_context::~llama_sfi_context() {
+    if (kv->get_sfi() == view.get()) {
+        kv->set_sfi(nullptr);
+    }
+}
+
+void llama_sfi_context::decode_begin(const llama_batch & batch) {
+    status = 0;
+
+    view->step = LLAMA_SFI_STEP_DENSE;
+
+    // tokens per stream of the batch
+    std::vector<uint32_t> n_tokens(view->streams.size(), 0);
+    for (int32_t i = 0; i < batch.n_tokens; ++i) {
+        for (int32_t k = 0; k < batch.n_seq_id[i]; ++k) {
+            n_tokens[view->stream_of(batch.seq_id[i][k])]++;
+        }
+    }
+
+    // the exports of a sequence last until its next decode
+    for (size_t s = 0; s < n_tokens.size(); ++s) {
+        if (n_tokens[s] > 0) {
+            exports[s].valid = false;
+        }
+    }
+
+    bool fast = mode == LLAMA_SFI_MODE_FAST;
+    for (size_t s = 0; s < n_tokens.size() && fast; ++s) {
+        const auto & st = view->streams[s];
+        fast = n_tokens[s] == 0 || (st.valid && st.tail.size() + n_tokens[s] <= (size_t) params.n_tail_max);
+    }
+
+    if (fast) {
+        view->step = LLAMA_SFI_STEP_FAST; // LAST_FAST once the decode succeeded (decode_end)
+        return;
+    }
+
+    if (mode == LLAMA_SFI_MODE_FAST) {
+        status |= LLAMA_SFI_STATUS_FELL_BACK_DENSE;
+    }
+
+    if (mode == LLAMA_SFI_MODE_SLOW) {
+        view->step = LLAMA_SFI_STEP_SLOW;
+    }
+
+    // the tokens of a dense step do not go to the tail: the views of its streams are stale
+    for (size_t s = 0; s < n_tokens.size(); ++s) {
+        if (n_tokens[s] > 0) {
+            view->streams[s].invalidate();
+        }
+    }
+}
+
+void llama_sfi_context::decode_end() {
+    if (view->step == LLAMA_SFI_STEP_FAST) {
+        status |= LLAMA_SFI_STATUS_LAST_FAST;
+    }
+
+    view->step = LLAMA_SFI_STEP_DENSE;
+}
+
+uint32_t llama_sfi_context::n_graph_nodes() const {
+    const uint32_t n_layer = model.hparams.n_layer();
+
+    // compact-view writes and the attention-mass export, per layer and stream (gathers of the refreshing streams,
+    // exports of the slow ones), and the device Selector: one set of ops per layer for all the streams of a slow ubatch
+    return 64u*n_layer*view->streams.size() + 64u*n_layer;
+}
+
+void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
+    if (std::any_of(res.sel.begin(), res.sel.end(), [](const ggml_tensor * t) { return t != nullptr; })) {
+        extract_selection(sched, res, ubatch);
+        return;
+    }
+
+    if (res.mass.empty()) {
+        return;
+    }
+
+    const size_t n_layers  = view->layers.size();
+    const size_t n_head_kv = view->n_head_kv_max;
+
+    int64_t n  = 0; // cells per (layer, head, stream): n_kv, or the candidates
+    int64_t ns = 0; // streams of the ubatch
+    for (const auto * t : res.mass) {
+        if (t) {
+            n  = t->ne[0];
+            ns = t->ne[2];
+        }
+    }
+
+    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
+
+    const uint32_t n_tps = ubatch.n_tokens/ns;
+
+    // slow steps are rare: wait for the graph, then copy synchronously, one copy per layer and kind
+    ggml_backend_sched_synchronize(sched);
+
+    std::vector<uint8_t> buf;
+
+    // ts[layer]: [width, n_head_kv(layer), ns] (or [width, ns]) -> dst(stream)[layer*row ...]
+    auto copy = [&](const std::vector<ggml_tensor *> & ts, auto member, size_t row) {
+        bool any = false;
+        for (const auto * t : ts) {
+            any |= t != nullptr;
+        }
+        for (int64_t j = 0; j < ns; ++j) {
+            auto & dst = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].*member;
+            dst.assign(any ? n_layers*row : 0, 0);
+        }
+        for (size_t i = 0; any && i < n_layers; ++i) {
+            const auto * t = ts[i];
+            if (!t) {
+                continue;
+            }
+            const size_t per_stream = ggml_nbytes(t)/ns;
+            buf.resize(ggml_nbytes(t));
+            ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
+            for (int64_t j = 0; j < ns; ++j) {
+                auto & dst = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].*member;
+                GGML_ASSERT(per_stream <= row*sizeof(dst[0]));
+                memcpy(dst.data() + i*row, buf.data() + j*per_stream, per_stream);
+            }
+        }
+    };
+
+    copy(res.mass,      &llama_sfi_export::mass,      n_head_kv*n);
+    copy(res.evidence,  &llama_sfi_export::evidence,  n_head_kv*n);
+    copy(res.key_norms, &llama_sfi_export::key_norms, n_head_kv*n);
+    copy(res.cells,     &llama_sfi_export::cells,     n);
+
+    for (int64_t j = 0; j < ns; ++j) {
+        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+
+        ex.n_cells = n;
+        ex.n_rows  = std::min<int32_t>(params.n_query_rows, n_tps);
+        ex.valid   = n > 0;
+    }
+}
+
+// the device Selector's picks -> cell ids, per stream: [n_layers][n_head_kv_max][k_head]
+void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
+    const size_t n_layers  = view->layers.size();
+    const size_t n_head_kv = view->n_head_kv_max;
+
+    const ggml_tensor * t0 = nullptr;
+    const ggml_tensor * c0 = nullptr;
+    for (size_t i = 0; i < n_layers && !t0; ++i) {
+        t0 = res.sel[i];
+        c0 = res.cells[i];
+    }
+
+    GGML_ASSERT(t0 && c0);
+
+    const int64_t n_sel  = t0->ne[0];
+    const int64_t n_cand = c0->ne[0];
+    const int64_t ns     = ubatch.n_seqs_unq; // streams of the ubatch, as in llama_sfi_build_inputs
+
+    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
+
+    const uint32_t n_tps = ubatch.n_tokens/ns;
+
+    ggml_backend_sched_synchronize(sched);
+
+    std::vector<int32_t> picks;
+    std::vector<int32_t> cells;
+
+    std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
+
+    for (int64_t j = 0; j < ns; ++j) {
+        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+
+        ex = llama_sfi_export();
+        ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
+        ex.cells.assign(n_layers*n_cand, -1); // -1: a layer not refreshed
+    }
+
+    // t_sfi_sel[i] and t_sfi_cells[i]: the outputs of layer i's run of layers, layer-major (pair b = l*ns + j,
+    // l the rank of layer i in its run); nullptr: layer i was not refreshed
+    const ggml_tensor * run = nullptr;
+    int64_t l = 0;
+
+    for (size_t i = 0; i < n_layers; ++i) {
+        const ggml_tensor * tp = res.sel[i];
+        const ggml_tensor * tc = res.cells[i];
+
+        if (!tp) {
+            // not refreshed: the own cells of the selection the view holds
+            for (int64_t j = 0; j < ns; ++j) {
+                const auto & st = view->streams[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+                auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+
+                if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
+                    kept[j] = false;
+                    continue;
+                }
+                for (size_t h = 0; h < n_head_kv; ++h) {
+                    std::copy_n(st.sel.begin() + (i*n_head_kv + h)*st.n_sel, n_sel, ex.selection.begin() + (i*n_head_kv + h)*n_sel);
+                }
+            }
+            continue;
+        }
+
+        GGML_ASSERT(tc && tp->ne[0] == n_sel && tc->ne[0] == n_cand && tp->ne[2] % ns == 0 && tc->ne[1] == tp->ne[2]);
+
+        if (tp != run) {
+            run = tp;
+            l   = 0;
+            picks.resize(ggml_nelements(tp));
+            cells.resize(ggml_nelements(tc));
+            ggml_backend_tensor_get(tp, picks.data(), 0, ggml_nbytes(tp));
+            ggml_backend_tensor_get(tc, cells.data(), 0, ggml_nbytes(tc));
+        }
+
+        const int64_t h_layer = tp->ne[1];
+
+        for (int64_t j = 0; j < ns; ++j) {
+            auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+
+            const int64_t b = l*ns + j;
+
+            std::copy(cells.begin() + b*n_cand, cells.begin() + (b + 1)*n_cand, ex.cells.begin() + i*n_cand);
+
+            for (size_t h = 0; h < n_head_kv; ++h) {
+                // a layer with fewer KV heads repeats its first head's cells (never read)
+                const int32_t * src = picks.data() + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
+                int32_t       * dst = ex.selection.data() + (i*n_head_kv + h)*n_sel;
+
+                for (int64_t c = 0; c < n_sel; ++c) {
+                    GGML_ASSERT(src[c] >= 0 && src[c] < n_cand);
+                    dst[c] = cells[b*n_cand + src[c]];
+                }
+            }
+        }
+        ++l;
+    }
+
+    for (int64_t j = 0; j < ns; ++j) {
+        const llama_seq_id seq = ubatch.seq_id[j*n_tps][0];
+
+        auto & ex = exports[view->stream_of(seq)];
+
+        // fewer cells in the range than k_head: some picks lie outside it, no selection
+        const auto range    = llama_sfi_selector_range(*view, seq);
+        const auto in_range = llama_sfi_cells_holding(view->kv.get_cells(seq), seq, range.first, range.second);
+
+        bool ok = kept[j];
+        for (const int32_t c : ex.selection) {
+            ok &= in_range[c] != 0;
+        }
+
+        ex.shared = ok ? llama_sfi_cells_outside(view->kv.get_cells(seq), seq, range) : std::vector<int32_t>();
+        ex.n_edits  = view->streams[view->stream_of(seq)].n_edits;
+        // the graph gathered the first n_sink + n_recent of them (more when a position is held by several cells)
+        ex.gathered = ok && res.gathered && ex.shared.size() <= (size_t) view->selector.n_sink + view->selector.n_recent;
+
+        ex.n_cells = ex.cells.size()/n_layers;
+        ex.n_sel   = ok ? n_sel : 0;
+        ex.n_rows  = std::min<int32_t>(params.n_query_rows, n_tps);
+        ex.valid   = true;
+        if (!ok) {
+            ex.selection.clear();
+        }
+    }
+}

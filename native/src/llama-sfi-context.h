@@ -1,0 +1,72 @@
+#pragma once
+
+// The SFI state of a llama_context: the mode, what each decode does with the compact view, and the exports of the
+// slow steps
+
+#include "llama-sfi.h"
+
+#include "ggml-backend.h"
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+class llama_kv_cache;
+struct llama_model;
+struct llama_batch;
+struct llama_sfi_graph_result;
+struct llama_sfi_view;
+struct llama_ubatch;
+
+// the exports of a SLOW decode for one stream: [n_layers][n_head_kv_max][n_cells]
+struct llama_sfi_export {
+    bool valid = false;
+
+    int32_t n_cells = 0;
+    int32_t n_rows  = 0;
+
+    std::vector<float> mass;
+    std::vector<float> evidence;
+    std::vector<float> key_norms;
+    std::vector<int32_t> cells; // [n_layers][n_cells]: the candidate cells, empty when all cells are exported
+
+    int32_t n_sel = 0;
+    std::vector<int32_t> selection; // [n_layers][n_head_kv_max][n_sel]: the device Selector's cells, if it ran
+    std::vector<int32_t> shared;    // with a selection: the cells outside the Selector's range (sink, recent)
+    bool gathered = false;          // ... and the step gathered them into the view
+
+    uint32_t n_edits = 0; // the stream's n_edits at the step: the cells above hold while it is unchanged
+};
+
+// SFI state of a llama_context
+struct llama_sfi_context {
+    llama_sfi_context(const llama_model & model, llama_kv_cache * kv, std::shared_ptr<llama_sfi_view> view, const llama_sfi_params & params);
+    ~llama_sfi_context(); // detaches the view from the cache
+
+    const llama_model & model;
+
+    llama_kv_cache * kv;
+
+    std::shared_ptr<llama_sfi_view> view;
+
+    const llama_sfi_params params;
+
+    llama_sfi_mode mode = LLAMA_SFI_MODE_DENSE;
+
+    uint32_t status = 0; // LLAMA_SFI_STATUS_LAST_FAST / FELL_BACK_DENSE of the last decode
+
+    std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
+
+    // the streams of the batch take the step of the mode (or run dense, see llama.h)
+    void decode_begin(const llama_batch & batch);
+    void decode_end();
+
+    // copy the exports of a computed ubatch graph
+    void extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
+
+    // nodes the SFI ops add to a graph at most
+    uint32_t n_graph_nodes() const;
+
+private:
+    void extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
+};

@@ -1,0 +1,548 @@
+// The SFI graph of a ubatch: its inputs, the FAST step's gather of a selection and writes of the tail, and the SLOW
+// step's gather of the device Selector's selection
+#include "llama-sfi-graph.h"
+
+#include "llama-sfi-view.h"
+
+#include "llama-batch.h"
+#include "llama-kv-cache.h"
+
+#include <algorithm>
+#include <cmath>
+
+//
+// inputs
+//
+
+uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
+    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (!plan) {
+        return 0;
+    }
+
+    const auto * view = &plan->view;
+
+    if (plan->step == LLAMA_SFI_STEP_FAST) {
+        // the gathers (which streams, how many cells) are part of the topology
+        uint64_t key = LLAMA_SFI_STEP_FAST;
+        for (const uint32_t s : plan->refresh) {
+            const auto & st = view->streams[s];
+            key = key*1099511628211ull ^ (4 | (uint64_t) s << 4 | (uint64_t) st.n_sel << 12);
+        }
+
+        return key;
+    }
+
+    if (plan->exporting) {
+        // the Selector's parameters are constants of the graph
+        const uint64_t selector = view->selector.k_head > 0 ? 1 + (uint64_t) (view->selector_gen & 0xffffff) : 0;
+
+        // ... and so are the layers it refreshes
+        const uint64_t groups = selector ? (uint64_t) view->refresh_groups << 16 | view->refresh_group : 0;
+
+        // ... and the number of cells whose key norms it takes
+        const uint64_t n_kn = view->n_candidates > 0 ? plan->key_norm_updates(mctx->get_n_kv()).size() : 0;
+
+        // ... and whether it gathers the selection
+        const uint64_t gathers = view->n_candidates > 0 && view->gathers(std::min<int64_t>(view->n_candidates, mctx->get_n_kv()));
+
+        uint64_t key = LLAMA_SFI_STEP_SLOW;
+        for (const uint64_t x : { (uint64_t) view->n_candidates, selector, groups, n_kn, gathers }) {
+            key = key*1099511628211ull ^ x;
+        }
+
+        return key;
+    }
+
+    return 0;
+}
+
+void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * mctx, const llama_ubatch & ubatch, llama_sfi_graph_input & inp) {
+    inp.key = llama_sfi_graph_key(mctx);
+
+    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (!plan) {
+        return;
+    }
+
+    const auto * view = &plan->view;
+
+    if (plan->exporting) {
+        const int64_t n_kv = mctx->get_n_kv();
+        const int64_t ns   = ubatch.n_seqs_unq;
+
+        if (view->n_candidates > 0 && view->selects(std::min<int64_t>(view->n_candidates, n_kv))) {
+            inp.sel_mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, n_kv, 1, 1, ns);
+            ggml_set_input(inp.sel_mask);
+            ggml_set_name(inp.sel_mask, "sfi_inp_sel_mask");
+
+            inp.sel_u = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, n_kv, ns);
+            ggml_set_input(inp.sel_u);
+            ggml_set_name(inp.sel_u, "sfi_inp_sel_u");
+
+            if (view->gathers(std::min<int64_t>(view->n_candidates, n_kv))) {
+                const int64_t n_shared = view->selector.n_sink + view->selector.n_recent;
+
+                const int64_t n_rep = std::max<int64_t>(view->n_head_kv_max, view->layers.size());
+
+                inp.shared = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_shared, n_rep, ns);
+                ggml_set_input(inp.shared);
+                ggml_set_name(inp.shared, "sfi_inp_shared");
+
+                inp.sel_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, view->selector.k_head + n_shared);
+                ggml_set_input(inp.sel_slots);
+                ggml_set_name(inp.sel_slots, "sfi_inp_sel_slots");
+            }
+        }
+
+        const size_t n_kn = view->n_candidates > 0 ? plan->key_norm_updates(mctx->get_n_kv()).size() : 0;
+        if (n_kn > 0) {
+            inp.kn_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_kn);
+            ggml_set_input(inp.kn_cells);
+            ggml_set_name(inp.kn_cells, "sfi_inp_kn_cells");
+        }
+        return;
+    }
+
+    if (!plan->fast()) {
+        return;
+    }
+
+    inp.tail_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, ubatch.n_tokens);
+    ggml_set_input(inp.tail_idxs);
+    ggml_set_name(inp.tail_idxs, "sfi_inp_tail_idxs");
+
+    if (view->v_trans) {
+        inp.tail_idxs_v = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, (int64_t) ubatch.n_tokens*view->layers[0].v->ne[0]);
+        ggml_set_input(inp.tail_idxs_v);
+        ggml_set_name(inp.tail_idxs_v, "sfi_inp_tail_idxs_v");
+    }
+
+    int32_t n_sel_max = 0;
+    for (const uint32_t s : plan->refresh) {
+        const auto & st = view->streams[s];
+
+        ggml_tensor * sel = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, st.n_sel, view->n_head_kv_max, view->layers.size());
+        ggml_set_input(sel);
+        ggml_format_name(sel, "sfi_inp_sel_s%u", s);
+
+        inp.sel.emplace_back(s, sel);
+
+        n_sel_max = std::max(n_sel_max, st.n_sel);
+    }
+
+    if (n_sel_max > 0) {
+        inp.sel_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_sel_max);
+        ggml_set_input(inp.sel_slots);
+        ggml_set_name(inp.sel_slots, "sfi_inp_sel_slots");
+    }
+}
+
+void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_graph_input & inp) {
+    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (!plan) {
+        return;
+    }
+
+    auto & view = plan->view;
+
+    if (inp.sel_mask && inp.sel_mask->buffer) {
+        GGML_ASSERT(ggml_backend_buffer_is_host(inp.sel_mask->buffer) && ggml_backend_buffer_is_host(inp.sel_u->buffer));
+
+        const auto & ub = mctx->get_ubatch();
+
+        const int64_t n_kv  = inp.sel_mask->ne[0];
+        const int64_t ns    = inp.sel_mask->ne[3];
+        const int64_t n_tps = ub.n_tokens/ns;
+
+        float * mask = (float *) inp.sel_mask->data;
+        float * u    = (float *) inp.sel_u->data;
+
+        for (int64_t j = 0; j < ns; ++j) {
+            const llama_seq_id seq = ub.seq_id[j*n_tps][0];
+
+            const auto range = llama_sfi_selector_range(view, seq);
+
+            const float scale = 1.0f/std::max<llama_pos>(1, range.second - range.first);
+
+            const auto & cells = view.kv.get_cells(seq);
+
+            for (int64_t c = 0; c < n_kv; ++c) {
+                const llama_pos p = (uint32_t) c < cells.size() && !cells.is_empty(c) && cells.seq_has(c, seq) ? cells.pos_get(c) : -1;
+
+                const bool in_range = p >= range.first && p < range.second;
+
+                mask[j*n_kv + c] = in_range ? 0.0f : -INFINITY;
+                u   [j*n_kv + c] = in_range ? (p - range.first)*scale : 0.0f;
+            }
+
+            if (inp.shared && inp.shared->buffer) {
+                const int64_t n_shared = inp.shared->ne[0];
+                const int64_t n_rep    = inp.shared->ne[1];
+
+                // at most n_sink + n_recent cells unless positions repeat (the step's gather is then not used, see
+                // llama_sfi_context::extract_selection); the rest repeats the last one, into slots past the selection
+                std::vector<int32_t> shared = llama_sfi_cells_outside(cells, seq, range);
+                shared.resize(n_shared, shared.empty() ? 0 : shared.back());
+
+                for (int64_t r = 0; r < n_rep; ++r) {
+                    ggml_backend_tensor_set(inp.shared, shared.data(), (j*n_rep + r)*inp.shared->nb[1], n_shared*sizeof(int32_t));
+                }
+            }
+        }
+    }
+
+    if (inp.kn_cells && inp.kn_cells->buffer) {
+        const std::vector<int32_t> cells = plan->key_norm_updates(mctx->get_n_kv());
+        GGML_ASSERT((int64_t) cells.size() == inp.kn_cells->ne[0]);
+        ggml_backend_tensor_set(inp.kn_cells, cells.data(), 0, ggml_nbytes(inp.kn_cells));
+
+        // the step takes them now
+        for (const uint32_t s : plan->streams) {
+            auto & st = view.streams[s];
+
+            st.kn_upto = std::max(st.kn_upto, mctx->get_n_kv());
+            st.kn_stale.clear();
+        }
+    }
+
+    if (inp.tail_idxs && inp.tail_idxs->buffer) {
+        GGML_ASSERT(ggml_backend_buffer_is_host(inp.tail_idxs->buffer));
+
+        const auto & tail0 = plan->tail0; // per stream of the ubatch, in ubatch order
+
+        const int64_t n_tps = inp.tail_idxs->ne[0]/tail0.size();
+
+        int64_t * data = (int64_t *) inp.tail_idxs->data;
+        for (size_t j = 0; j < tail0.size(); ++j) {
+            const int64_t slot0 = (int64_t) plan->streams[j]*view.c_max + tail0[j];
+            for (int64_t t = 0; t < n_tps; ++t) {
+                data[j*n_tps + t] = slot0 + t;
+            }
+        }
+
+        if (inp.tail_idxs_v && inp.tail_idxs_v->buffer) {
+            GGML_ASSERT(ggml_backend_buffer_is_host(inp.tail_idxs_v->buffer));
+
+            // element (slot, channel) of stream s of a transposed view buffer: (s*n_embd_v + channel)*c_max + slot
+            const int64_t n_embd_v = inp.tail_idxs_v->ne[0]/inp.tail_idxs->ne[0];
+
+            int64_t * data_v = (int64_t *) inp.tail_idxs_v->data;
+            for (size_t j = 0; j < tail0.size(); ++j) {
+                const int64_t s = plan->streams[j];
+                for (int64_t t = 0; t < n_tps; ++t) {
+                    for (int64_t c = 0; c < n_embd_v; ++c) {
+                        data_v[(j*n_tps + t)*n_embd_v + c] = (s*n_embd_v + c)*view.c_max + tail0[j] + t;
+                    }
+                }
+            }
+        }
+    }
+
+    for (const auto & [s, sel] : inp.sel) {
+        if (sel->buffer) {
+            const auto & st = view.streams[s];
+
+            GGML_ASSERT((size_t) ggml_nelements(sel) == st.sel.size());
+            ggml_backend_tensor_set(sel, st.sel.data(), 0, ggml_nbytes(sel));
+        }
+    }
+
+    if (inp.sel_slots && inp.sel_slots->buffer) {
+        GGML_ASSERT(ggml_backend_buffer_is_host(inp.sel_slots->buffer));
+
+        int64_t * data = (int64_t *) inp.sel_slots->data;
+        for (int64_t i = 0; i < inp.sel_slots->ne[0]; ++i) {
+            data[i] = i;
+        }
+    }
+}
+
+//
+// gathers
+//
+
+// gather rows sel[:, h] of KV head h of the cache into slots 0 .. n_sel-1 of the view, for every head
+static ggml_tensor * llama_sfi_gather(
+        ggml_context * ctx,
+         ggml_tensor * src,  // [n_embd_gqa, kv_size]
+         ggml_tensor * dst,  // [n_embd_gqa, c_max]
+         ggml_tensor * sel,  // I32 [n_sel, n_head_kv]
+         ggml_tensor * slots,
+             int64_t   n_embd_head,
+             int64_t   n_head_kv) {
+    ggml_tensor * src_h = ggml_view_3d(ctx, src, n_embd_head, src->ne[1], n_head_kv,
+            src->nb[1], ggml_row_size(src->type, n_embd_head), 0);
+    ggml_tensor * dst_h = ggml_view_3d(ctx, dst, n_embd_head, dst->ne[1], n_head_kv,
+            dst->nb[1], ggml_row_size(dst->type, n_embd_head), 0);
+
+    // note: get_rows returns F32, lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
+    ggml_tensor * rows = ggml_get_rows(ctx, src_h, sel); // [n_embd_head, n_sel, n_head_kv]
+
+    return ggml_set_rows(ctx, dst_h, rows, slots);
+}
+
+// dst [n_sel, n_rows, n_head_kv] = the columns sel [n_sel, n_head_kv] of src [kv_size, n_rows, n_head_kv], each head its
+// own columns: a gather of a transposed V in host memory, row by row (a get_rows of one-element rows costs ~12 ns
+// an element on a CPU: 86 ms for the default model's 24 layers x 2 heads x 64 channels x 2308 cells)
+template <typename T>
+static void llama_sfi_gather_columns(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * src = dst->src[0];
+    const ggml_tensor * sel = dst->src[1];
+
+    const int64_t n_sel  = dst->ne[0];
+    const int64_t n_rows = dst->ne[1];
+
+    for (int64_t r = ith; r < n_rows*dst->ne[2]; r += nth) {
+        const int64_t d = r % n_rows;
+        const int64_t h = r / n_rows;
+
+        const T       * x   = (const T *) ((const char *) src->data + d*src->nb[1] + h*src->nb[2]);
+        const int32_t * idx = (const int32_t *) ((const char *) sel->data + h*sel->nb[1]);
+        T             * y   = (T *) ((char *) dst->data + d*dst->nb[1] + h*dst->nb[2]);
+
+        for (int64_t j = 0; j < n_sel; ++j) {
+            y[j] = x[idx[j]];
+        }
+    }
+}
+
+// flash attention off: cache and view hold V transposed, per stream one row of cells (slots) per channel: channel d
+// of head h takes the elements sel[:, h] (sel: I32 [n, n_head_kv]) of its cache row into slots slot0 .. slot0+n-1
+// of stream s
+static void llama_sfi_build_gather_v_trans(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        const llama_sfi_view & view,
+                 int   il,
+            uint32_t   s,
+         ggml_tensor * sel,
+             int64_t   slot0) {
+    const auto & l = view.layers[view.layer_index(il)];
+
+    const int64_t n_sel = sel->ne[0];
+
+    ggml_tensor * v_src = view.cache_v_of(il);
+
+    const int64_t kv_size     = v_src->ne[1];
+    const int64_t n_embd_v    = v_src->ne[0];
+    const int64_t n_embd_head = n_embd_v/l.n_head_kv;
+
+    ggml_tensor * dst = ggml_view_3d(ctx, l.v, n_sel, n_embd_head, l.n_head_kv,
+            ggml_row_size(l.v->type, view.c_max), ggml_row_size(l.v->type, view.c_max*n_embd_head),
+            s*l.v->nb[2] + ggml_row_size(l.v->type, slot0));
+
+    const size_t ts = ggml_type_size(v_src->type);
+
+    if (ggml_backend_buffer_is_host(v_src->buffer) && (ts == 2 || ts == 4)) {
+        ggml_tensor * args[] = {
+            ggml_view_3d(ctx, v_src, kv_size, n_embd_head, l.n_head_kv,
+                    ggml_row_size(v_src->type, kv_size), ggml_row_size(v_src->type, kv_size*n_embd_head), s*v_src->nb[2]),
+            sel,
+        };
+        ggml_tensor * vals = ggml_custom_4d(ctx, v_src->type, n_sel, n_embd_head, l.n_head_kv, 1, args, 2,
+                ts == 2 ? llama_sfi_gather_columns<uint16_t> : llama_sfi_gather_columns<uint32_t>, GGML_N_TASKS_MAX, nullptr);
+        ggml_build_forward_expand(gf, ggml_cpy(ctx, vals, dst));
+        return;
+    }
+
+    ggml_tensor * src = ggml_view_4d(ctx, v_src, 1, kv_size, n_embd_head, l.n_head_kv,
+            ggml_row_size(v_src->type, 1), ggml_row_size(v_src->type, kv_size), ggml_row_size(v_src->type, kv_size*n_embd_head),
+            s*v_src->nb[2]);
+    ggml_tensor * idx = ggml_repeat_4d(ctx, ggml_reshape_3d(ctx, ggml_is_contiguous(sel) ? sel : ggml_cont(ctx, sel), n_sel, 1, l.n_head_kv),
+            n_sel, n_embd_head, l.n_head_kv, 1);
+
+    ggml_tensor * vals = ggml_get_rows(ctx, src, idx); // [1, n_sel, n_embd_head, n_head_kv]
+    ggml_build_forward_expand(gf, ggml_cpy(ctx, ggml_reshape_3d(ctx, vals, n_sel, n_embd_head, l.n_head_kv), dst));
+}
+
+void llama_sfi_build_store(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        const llama_kv_cache_context * mctx,
+        const llama_sfi_graph_input  & inp,
+         ggml_tensor * k_cur,
+         ggml_tensor * v_cur,
+                 int   il) {
+    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (!plan || !plan->fast()) {
+        return;
+    }
+
+    const auto * view = &plan->view;
+
+    const int32_t i = view->layer_index(il);
+    GGML_ASSERT(i >= 0);
+
+    const auto & l = view->layers[i];
+
+    for (const auto & [s, sel_s] : inp.sel) {
+        const int32_t n_sel = view->streams[s].n_sel;
+
+        ggml_tensor * sel   = ggml_view_2d(ctx, sel_s, n_sel, l.n_head_kv, sel_s->nb[1], i*sel_s->nb[2]);
+        ggml_tensor * slots = ggml_view_1d(ctx, inp.sel_slots, n_sel, 0);
+
+        // [n_embd_gqa, kv_size or c_max] rows of stream s of a cache or view buffer
+        auto stream_rows = [&](ggml_tensor * t) {
+            return ggml_view_2d(ctx, t, t->ne[0], t->ne[1], t->nb[1], s*t->nb[2]);
+        };
+
+        ggml_build_forward_expand(gf, llama_sfi_gather(ctx, stream_rows(view->cache_k_of(il)), stream_rows(l.k),
+                    sel, slots, l.k->ne[0]/l.n_head_kv, l.n_head_kv));
+
+        if (view->v_trans) {
+            llama_sfi_build_gather_v_trans(ctx, gf, *view, il, s, sel, 0);
+        } else {
+            ggml_build_forward_expand(gf, llama_sfi_gather(ctx, stream_rows(view->cache_v_of(il)), stream_rows(l.v),
+                        sel, slots, l.v->ne[0]/l.n_head_kv, l.n_head_kv));
+        }
+    }
+
+    // the tail: same rows as written to the cache by cpy_k/cpy_v, at slot stream*c_max + slot
+    GGML_ASSERT(ggml_row_size(k_cur->type, k_cur->ne[0]) == k_cur->nb[1]);
+    GGML_ASSERT(ggml_row_size(v_cur->type, v_cur->ne[0]) == v_cur->nb[1]);
+
+    k_cur = ggml_view_2d(ctx, k_cur, k_cur->ne[0]*k_cur->ne[1], k_cur->ne[2], k_cur->nb[2], 0);
+    v_cur = ggml_view_2d(ctx, v_cur, v_cur->ne[0]*v_cur->ne[1], v_cur->ne[2], v_cur->nb[2], 0);
+
+    ggml_tensor * k_all = ggml_view_2d(ctx, l.k, l.k->ne[0], l.k->ne[1]*l.k->ne[2], l.k->nb[1], 0);
+    ggml_tensor * v_all = ggml_view_2d(ctx, l.v, l.v->ne[0], l.v->ne[1]*l.v->ne[2], l.v->nb[1], 0);
+
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, k_all, k_cur, inp.tail_idxs));
+
+    if (!view->v_trans) {
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, v_all, v_cur, inp.tail_idxs));
+        return;
+    }
+
+    // transposed: one element per channel, like llama_kv_cache::cpy_v (indices: inp.tail_idxs_v)
+    GGML_ASSERT(v_cur->ne[0] == l.v->ne[0]);
+    if (ggml_row_size(v_cur->type, v_cur->ne[0]) != v_cur->nb[1]) {
+        v_cur = ggml_cont(ctx, v_cur);
+    }
+    ggml_build_forward_expand(gf, ggml_set_rows(ctx, ggml_reshape_2d(ctx, l.v, 1, ggml_nelements(l.v)),
+                ggml_reshape_2d(ctx, v_cur, 1, ggml_nelements(v_cur)), inp.tail_idxs_v));
+}
+
+void llama_sfi_build_load(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        const llama_sfi_view & view,
+        const llama_kv_cache_context * mctx,
+        const llama_sfi_graph_input  & inp,
+         ggml_tensor * cells,
+         ggml_tensor * picks,
+        const std::vector<size_t> & refreshed,
+              size_t   first,
+              size_t   last) {
+    const int64_t n_cand   = cells->ne[0];
+    const int64_t k_head   = picks->ne[0];
+    const int64_t h        = picks->ne[1];
+    const int64_t nb       = picks->ne[2];
+    const int64_t ns       = inp.shared->ne[2];
+    const int64_t n_shared = inp.shared->ne[0];
+
+    ggml_tensor * own = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, n_cand, nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));
+    own = ggml_reshape_3d(ctx, own, k_head, h, nb); // I32 cell ids
+
+    ggml_tensor * own_slots    = ggml_view_1d(ctx, inp.sel_slots, k_head, 0);
+    ggml_tensor * shared_slots = ggml_view_1d(ctx, inp.sel_slots, n_shared, k_head*inp.sel_slots->nb[0]);
+
+    // the streams of the ubatch are consecutive (see llama_sfi_build_export)
+    const uint32_t s0 = mctx->get_sfi()->streams[0];
+
+    // gather the selection of the run's layers of rank r0 .. r0+nl-1 from the cache into the view: src and dst are
+    // spans of layers (llama_sfi_view::layer_span) in which those layers start at layer l0, t_src and t_dst a layer's
+    // tensors (shapes and strides). One gather per tensor: the own cells per head with two of the heads, streams and
+    // layers as the dims of the index (one gather per head when all three are several), the shared cells as rows
+    auto gather = [&](const llama_sfi_view::layer_span & src, const ggml_tensor * t_src,
+                      const llama_sfi_view::layer_span & dst, const ggml_tensor * t_dst, size_t l0, size_t r0, int64_t nl) {
+        // [ne0, cells, ne2, ne3] of the layers, at byte offset offs within each stream's rows
+        auto view_4d = [&](const llama_sfi_view::layer_span & sp, const ggml_tensor * t, int64_t ne0, int64_t ne2, size_t nb2,
+                           int64_t ne3, size_t nb3, size_t offs) {
+            return ggml_view_4d(ctx, sp.t, ne0, t->ne[1], ne2, ne3, t->nb[1], nb2, nb3, l0*sp.stride + s0*t->nb[2] + offs);
+        };
+
+        const int64_t d = t_src->ne[0]/h;
+
+        const size_t hs_src = ggml_row_size(t_src->type, d);
+        const size_t hs_dst = ggml_row_size(t_dst->type, d);
+
+        const size_t own0 = r0*ns*own->nb[2]; // own: [k_head, h, nb], pair b = rank*ns + stream
+
+        if (nl == 1 || ns == 1) {
+            // the heads, and the streams (one layer) or the layers (one stream)
+            const int64_t a = nl == 1 ? ns : nl;
+
+            ggml_tensor * s4 = view_4d(src, t_src, d, h, hs_src, a, nl == 1 ? t_src->nb[2] : src.stride, 0);
+            ggml_tensor * d4 = view_4d(dst, t_dst, d, h, hs_dst, a, nl == 1 ? t_dst->nb[2] : dst.stride, 0);
+
+            ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, h, a, own->nb[1], own->nb[2], own0);
+
+            ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), own_slots));
+        } else {
+            for (int64_t j = 0; j < h; ++j) {
+                ggml_tensor * s4 = view_4d(src, t_src, d, ns, t_src->nb[2], nl, src.stride, j*hs_src);
+                ggml_tensor * d4 = view_4d(dst, t_dst, d, ns, t_dst->nb[2], nl, dst.stride, j*hs_dst);
+
+                ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, ns, nl, own->nb[2], ns*own->nb[2], own0 + j*own->nb[1]);
+
+                ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), own_slots));
+            }
+        }
+
+        // every layer takes its stream's list of shared cells
+        ggml_tensor * s4 = view_4d(src, t_src, t_src->ne[0], ns, t_src->nb[2], nl, src.stride, 0);
+        ggml_tensor * d4 = view_4d(dst, t_dst, t_dst->ne[0], ns, t_dst->nb[2], nl, dst.stride, 0);
+
+        ggml_tensor * idx = ggml_view_3d(ctx, inp.shared, n_shared, ns, nl, inp.shared->nb[2], inp.shared->nb[1], 0);
+
+        ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), shared_slots));
+    };
+
+    // layers that lie at one stride in the cache and in the view take one gather per tensor for all of them, the
+    // others one per layer (a layer's tensor as a span of one layer)
+    bool spans = view.cache_k.t && view.view_k.t && (view.v_trans || (view.cache_v.t && view.view_v.t));
+    for (size_t r = first; r < last; ++r) {
+        spans = spans && refreshed[r] == refreshed[first] + (r - first);
+    }
+
+    if (spans) {
+        const auto & l = view.layers[refreshed[first]];
+
+        gather(view.cache_k, view.cache_k_of(l.il), view.view_k, l.k, refreshed[first], 0, last - first);
+        if (!view.v_trans) {
+            gather(view.cache_v, view.cache_v_of(l.il), view.view_v, l.v, refreshed[first], 0, last - first);
+        }
+    }
+
+    auto one = [](ggml_tensor * t) { return llama_sfi_view::layer_span { t, ggml_nbytes(t) }; };
+
+    for (size_t r = first; r < last; ++r) {
+        const int32_t il = view.layers[refreshed[r]].il;
+        const auto &  l  = view.layers[refreshed[r]];
+
+        if (!spans) {
+            ggml_tensor * k = view.cache_k_of(il);
+            ggml_tensor * v = view.cache_v_of(il);
+
+            gather(one(k), k, one(l.k), l.k, 0, r - first, 1);
+            if (!view.v_trans) {
+                gather(one(v), v, one(l.v), l.v, 0, r - first, 1);
+            }
+        }
+
+        ggml_tensor * own_r = ggml_view_3d(ctx, own, k_head, h, ns, own->nb[1], own->nb[2], (r - first)*ns*own->nb[2]);
+
+        if (!view.v_trans) {
+            continue;
+        }
+
+        // V transposed: one stream at a time
+        for (int64_t j = 0; j < ns; ++j) {
+            llama_sfi_build_gather_v_trans(ctx, gf, view, il, s0 + j, ggml_view_2d(ctx, own_r, k_head, h, own_r->nb[1], j*own_r->nb[2]), 0);
+            llama_sfi_build_gather_v_trans(ctx, gf, view, il, s0 + j,
+                    ggml_view_2d(ctx, inp.shared, n_shared, h, inp.shared->nb[1], j*inp.shared->nb[2]), k_head);
+        }
+    }
+}

@@ -1,0 +1,94 @@
+#pragma once
+
+// What SFI adds to a ubatch's graph: its inputs (members of the KV attention inputs), its outputs (a member of
+// llm_graph_result), and the FAST step's writes of the compact view
+
+#include "ggml.h"
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+class llama_kv_cache_context;
+struct llama_sfi_view;
+struct llama_ubatch;
+
+// graph inputs of the compact view (members of the KV attention inputs)
+struct llama_sfi_graph_input {
+    ggml_tensor * tail_idxs = nullptr; // I64 [n_tokens]    FAST: slots of the ubatch tokens (stream*c_max + slot)
+    ggml_tensor * sel_slots = nullptr; // I64 [n]           FAST + refresh, SLOW that gathers: the slots 0 .. n-1
+    ggml_tensor * tail_idxs_v = nullptr; // I64 [n_tokens*n_embd_v_gqa] FAST, V transposed: element of each channel
+
+    // FAST + refresh: per stream that gathers its selection, I32 [n_sel, n_head_kv_max, n_layers] cells
+    std::vector<std::pair<uint32_t, ggml_tensor *>> sel;
+
+    // SLOW + device Selector, per stream of the ubatch: F32 [n_kv, 1, 1, ns] 0 for the cells in the Selector's
+    // range, -inf for the others (candidates outside the range get no prior and no evidence, so they count for
+    // nothing); F32 [1, n_kv, ns] the relative position u in [0, 1) of those cells in the range (0 outside),
+    // from which the graph computes the position prior of the candidates only
+    ggml_tensor * sel_mask = nullptr;
+    ggml_tensor * sel_u    = nullptr;
+
+    // SLOW with candidates: I32 [n] the cells whose key norms the step takes (llama_sfi_plan::key_norm_updates)
+    ggml_tensor * kn_cells = nullptr;
+
+    // SLOW + device Selector that gathers (llama_sfi_view::gathers): I32 [n_sink + n_recent, n_rep, ns] the cells of
+    // each stream outside the Selector's range (llama_sfi_cells_outside; the rest repeats the last: slots past the
+    // selection), repeated n_rep = max(n_head_kv_max, n_layers) times (an index per head or per layer); sel_slots is
+    // then [k_head + n_sink + n_recent]
+    ggml_tensor * shared = nullptr;
+
+    uint64_t key = 0; // the SFI topology the graph was built for (see llama_sfi_graph_key)
+};
+
+// the SFI tensors of a graph (a member of llm_graph_result)
+struct llama_sfi_graph_result {
+    // the exports of a SLOW step, per covered layer: [1, n_kv, n_head_kv] ([n_kv, n_head_kv] for the key norms)
+    std::vector<ggml_tensor *> mass;
+    std::vector<ggml_tensor *> evidence;
+    std::vector<ggml_tensor *> key_norms;
+    std::vector<ggml_tensor *> cells;
+    std::vector<ggml_tensor *> sel;  // I32 [k_head, n_head_kv, n*ns]: the device Selector's picks (indices into cells)
+                                     //   for this layer and the n - 1 after it (nullptr: an earlier entry has them)
+
+    std::vector<ggml_tensor *> sel_q;     // while the graph is built: each layer's scaled queries, keys,
+    std::vector<ggml_tensor *> sel_k;     //   sinks and key norms per cell, from which the Selector takes
+    std::vector<ggml_tensor *> sel_sinks; //   its scores after the last layer
+    std::vector<ggml_tensor *> sel_kn;
+
+    bool gathered = false; // SLOW: the graph gathered the device Selector's selection into the view
+
+    ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
+};
+
+// graph topology key of a KV cache context: 0 when SFI does not change the graph
+uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx);
+
+void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * mctx, const llama_ubatch & ubatch, llama_sfi_graph_input & inp);
+void llama_sfi_set_inputs  (const llama_kv_cache_context * mctx, const llama_sfi_graph_input & inp);
+
+// FAST: gather the selection (first step after it) and write the tail, for layer il
+void llama_sfi_build_store(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        const llama_kv_cache_context * mctx,
+        const llama_sfi_graph_input  & inp,
+         ggml_tensor * k_cur,
+         ggml_tensor * v_cur,
+                 int   il);
+
+// SLOW with the device Selector: gather the selection of the layers refreshed[first..last) (their run of the
+// Selector: cells [n_cand, nb], picks [k_head, n_head_kv, nb], pair b = rank*ns + stream) into the view: each row's
+// own cells cells[picks] into slots 0 .. k_head-1, the shared ones (inp.shared) after them; the step wrote its own
+// token's K/V to the cache before (every layer's store precedes the Selector)
+void llama_sfi_build_load(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        const llama_sfi_view & view,
+        const llama_kv_cache_context * mctx,
+        const llama_sfi_graph_input  & inp,
+         ggml_tensor * cells,
+         ggml_tensor * picks,
+        const std::vector<size_t> & refreshed,
+              size_t   first,
+              size_t   last);

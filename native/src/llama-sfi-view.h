@@ -1,0 +1,210 @@
+#pragma once
+
+// The compact view of a KV cache: per covered layer and stream, a buffer that holds the cells of a selection
+// followed by the tail (the tokens of the FAST steps since the selection), and what a batch does with it
+
+#include "llama-sfi.h"
+
+#include "llama-kv-cache.h"
+
+#include "ggml-cpp.h"
+
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+struct llama_ubatch;
+
+// the compact view is padded like the dense n_kv (see llama_kv_cache::get_n_kv)
+static constexpr uint32_t LLAMA_SFI_PAD = 256;
+
+// what the decode in progress does with the compact view
+enum llama_sfi_step {
+    LLAMA_SFI_STEP_DENSE = 0,
+    LLAMA_SFI_STEP_SLOW  = 1, // dense attention + export of the attention mass
+    LLAMA_SFI_STEP_FAST  = 2, // attention over the compact view only
+};
+
+// the compact view of one llama_kv_cache
+//   per layer and stream, a buffer with the same row layout and type as the cache: slot j < n_sel holds, for
+//   KV head h, the K/V of cell sel[layer][h][j]; slots n_sel + t hold the tail, i.e. the tokens of the FAST
+//   steps since the selection. One stream per sequence when the cache is not unified (batched decoding).
+struct llama_sfi_view {
+    struct layer {
+        int32_t il;
+        int32_t n_head_kv;
+
+        ggml_tensor * k; // [n_embd_k_gqa, c_max, n_stream]
+        ggml_tensor * v; // [n_embd_v_gqa, c_max, n_stream] (v_trans: per stream [c_max] slots per channel)
+
+        ggml_tensor * kn; // F32 [n_head_kv, kv_size, n_stream]: ||K|| of each cell of the cache (see stream::kn_upto)
+    };
+
+    // the selection and the tail of one stream
+    struct stream {
+        bool valid           = false; // the view matches the cache
+        bool refresh_pending = false; // the selection has not been gathered yet
+
+        int32_t n_sel = 0;
+        int32_t n_own = 0; // the first n_own cells of each row are its own, the rest shared by every row
+
+        float overlap = -1.0f; // of the own cells with the previous selection's (llama_sfi_seq_selection_overlap)
+
+        uint32_t n_edits = 0; // edits of the cache seen by this stream (invalidate_seq)
+
+        std::vector<int32_t>  sel;  // [n_layers][n_head_kv_max][n_sel] cell ids
+        std::vector<uint32_t> tail; // cells written by FAST steps since the selection
+
+        // the key norms in layer::kn hold for the cells below kn_upto, except kn_stale (written since): a SLOW
+        // step with candidates takes the others' (llama_sfi_view::key_norm_updates) when its inputs are set
+        uint32_t              kn_upto = 0;
+        std::vector<uint32_t> kn_stale;
+
+        void invalidate();
+    };
+
+    // nullptr if the cache can hold a compact view, otherwise the reason
+    static const char * unsupported(const llama_kv_cache & kv);
+
+    // throws on failure
+    llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & params);
+
+    llama_kv_cache & kv;
+
+    const llama_sfi_params params;
+
+    bool     v_trans       = false; // the cache stores V transposed (flash attention off), and so does the view
+    uint32_t c_max         = 0; // slots per layer and stream: pad256(n_sel_max + n_tail_max)
+    int32_t  n_head_kv_max = 0;
+
+    std::vector<layer>  layers;
+    std::vector<stream> streams;
+
+    std::unordered_map<int32_t, int32_t> map_layer_ids; // model layer -> index in layers
+
+    std::vector<std::pair<ggml_context_ptr, ggml_backend_buffer_ptr>> ctxs_bufs;
+
+    // the K (V) of every layer of the cache and of the view as one tensor, when the layers lie at one stride in one
+    // buffer (same shape, a type without blocks): a SLOW step then gathers every layer's selection with one op per
+    // tensor, not one per layer (llama_sfi_build_load), and takes the device Selector's scores of a stack of layers
+    // with one product (llama_sfi_build_export)
+    struct layer_span {
+        ggml_tensor * t      = nullptr; // 1-D, from the first layer's data to the end of the last one's
+        size_t        stride = 0;       // bytes from one layer to the next
+    };
+
+    layer_span cache_k, cache_v, view_k, view_v;
+
+    ggml_context_ptr ctx_spans;
+
+    int32_t n_candidates = 0; // SLOW: export this many candidate cells per layer (0: every cell)
+
+    llama_sfi_selector_params selector = {}; // SLOW with candidates: the device Selector (k_head 0: none)
+    uint32_t selector_gen = 0;               // bumped by every llama_sfi_set_selector (its values are in the graph)
+
+    int32_t refresh_groups = 1; // SLOW with the Selector: refresh the layers i % refresh_groups == refresh_group
+    int32_t refresh_group  = 0;
+
+    // the Selector runs in a SLOW step's graph over n_cand candidates
+    bool selects(int64_t n_cand) const { return selector.k_head > 0 && selector.k_head <= n_cand; }
+
+    bool refreshes(int32_t i) const { return i % refresh_groups == refresh_group; }
+
+    // ... and gathers its selection, with the cells outside its range shared by every row, into the view (when it
+    // refreshes every layer and the view holds it): llama_sfi_seq_load_selection then only commits it
+    bool gathers(int64_t n_cand) const {
+        return selects(n_cand) && refresh_groups == 1 && params.evidence_alpha > 0.0f && selector.n_sink + selector.n_recent > 0 &&
+            (int64_t) selector.k_head + selector.n_sink + selector.n_recent <= params.n_sel_max;
+    }
+
+    // mode of the decode in progress (set by llama_sfi_context::decode_begin)
+    llama_sfi_step step = LLAMA_SFI_STEP_DENSE;
+
+    void invalidate_seq(llama_seq_id seq); // the stream of seq (every stream for seq < 0)
+
+    uint32_t stream_of(llama_seq_id seq) const;
+
+    // cells idxs of stream s were written (any step): their key norms are stale
+    void note_written(uint32_t s, const std::vector<uint32_t> & idxs);
+
+    // the cache's K changed other than by writing cells (an edit, a shift, a state load): no key norm holds
+    void forget_key_norms(llama_seq_id seq); // the stream of seq (every stream for seq < 0)
+
+    int32_t layer_index(int32_t il) const; // -1 if the layer is not covered
+
+    // the cache's K / V of model layer il
+    ggml_tensor * cache_k_of(int32_t il) const;
+    ggml_tensor * cache_v_of(int32_t il) const;
+
+    // number of slots attended by a FAST ubatch over streams s0..s1: the largest pad256(n_sel + tail)
+    uint32_t n_view(uint32_t s0, uint32_t s1) const;
+
+    // FAST ubatch placed in cells idxs of stream s: append them to its tail
+    //   refresh: set if this ubatch has to gather the selection of s
+    //   returns the compact slot of the first token
+    uint32_t apply_ubatch(uint32_t s, const std::vector<uint32_t> & idxs, bool & refresh);
+
+    ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
+    ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
+
+    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
+
+private:
+    template <typename T>
+    void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, T keep, T drop) const;
+};
+
+// what one batch does with the compact view, ubatch by ubatch (a member of llama_kv_cache_context)
+struct llama_sfi_plan {
+    llama_sfi_plan(llama_sfi_view & view, const std::vector<llama_ubatch> & ubatches);
+
+    llama_sfi_view & view;
+
+    const llama_sfi_step step; // of the batch: FAST ubatches attend to the compact view, SLOW ubatches that end a sequence export
+
+    std::vector<bool> exports; // SLOW: per ubatch, whether it exports
+
+    // the ubatch being processed (apply)
+    bool exporting = false; // SLOW, and the ubatch ends one of the batch's sequences
+    uint32_t s0 = 0;
+    uint32_t s1 = 0;
+
+    std::vector<uint32_t> streams; // stream of each sequence of the ubatch, in ubatch order
+    std::vector<uint32_t> refresh; // FAST: the streams of the ubatch that gather their selection
+    std::vector<uint32_t> tail0;   // FAST: per stream of the ubatch, the compact slot of its first token
+
+    bool fast() const { return step == LLAMA_SFI_STEP_FAST; }
+
+    // ubatch u placed in sinfo, which attends n_kv cells of the cache: returns the number it attends instead (FAST:
+    // slots of the view)
+    uint32_t apply(size_t u, const llama_kv_cache::slot_info & sinfo, uint32_t n_kv);
+
+    // FAST: the view instead of the cache
+    ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
+    ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
+
+    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
+
+    // SLOW with candidates: the cells whose key norms the step takes, stream*kv_size + cell, for the streams of
+    // the ubatch, padded to a multiple of LLAMA_SFI_PAD with the last one (its size is part of the graph key)
+    std::vector<int32_t> key_norm_updates(uint32_t n_kv) const;
+};
+
+// an edit of the cells of seq (every sequence for seq < 0) invalidates its view; keys_changed: the K of cells that
+// stay changed (a shift, a copy, a state load), so their key norms go too (view may be nullptr)
+void llama_sfi_invalidate(llama_sfi_view * view, llama_seq_id seq = -1, bool keys_changed = true);
+
+// positions [first, second) of seq the device Selector chooses from
+std::pair<llama_pos, llama_pos> llama_sfi_selector_range(const llama_sfi_view & view, llama_seq_id seq);
+
+// 1 for each cell that holds a position of seq in [p0, p1): the cells' state read once per cell, in order, for
+// checks of every selected cell (per selected cell, its reads land all over the cells' arrays)
+std::vector<uint8_t> llama_sfi_cells_holding(const llama_kv_cells & cells, llama_seq_id seq,
+        llama_pos p0 = 0, llama_pos p1 = std::numeric_limits<llama_pos>::max());
+
+// the cells of seq outside the Selector's range, in cell order: the sink (below it), then the recent ones (past it);
+// the cells every row of a selection the device Selector makes shares (llama_sfi_seq_load_selection)
+std::vector<int32_t> llama_sfi_cells_outside(const llama_kv_cells & cells, llama_seq_id seq, std::pair<llama_pos, llama_pos> range);
