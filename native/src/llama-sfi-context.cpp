@@ -82,8 +82,8 @@ void llama_sfi_context::decode_end() {
 uint32_t llama_sfi_context::n_graph_nodes() const {
     const uint32_t n_layer = model.hparams.n_layer();
 
-    // compact-view writes and the attention-mass export, per layer and stream (gathers of the refreshing streams,
-    // exports of the slow ones), and the device Selector: one set of ops per layer for all the streams of a slow ubatch
+    // compact-view writes and the attention-mass export, per layer and stream (the FAST gathers of a selection, the
+    // exports of the slow streams), and the device Selector: one set of ops per layer for all the streams of a slow ubatch
     return 64u*n_layer*view->streams.size() + 64u*n_layer;
 }
 

@@ -57,7 +57,7 @@ struct llama_sfi_context {
 
     std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
 
-    // the streams of the batch take the step of the mode (or run dense, see llama.h)
+    // the streams of the batch take the step of the mode (or run dense, see llama-sfi.h)
     void decode_begin(const llama_batch & batch);
     void decode_end();
 

@@ -25,7 +25,7 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
     if (plan->step == LLAMA_SFI_STEP_FAST) {
         // the gathers (which streams, how many cells) are part of the topology
         uint64_t key = LLAMA_SFI_STEP_FAST;
-        for (const uint32_t s : plan->refresh) {
+        for (const uint32_t s : plan->gathering) {
             const auto & st = view->streams[s];
             key = key*1099511628211ull ^ (4 | (uint64_t) s << 4 | (uint64_t) st.n_sel << 12);
         }
@@ -41,7 +41,7 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
         const uint64_t groups = selector ? (uint64_t) view->refresh_groups << 16 | view->refresh_group : 0;
 
         // ... and the number of cells whose key norms it takes
-        const uint64_t n_kn = view->n_candidates > 0 ? plan->key_norm_updates(mctx->get_n_kv()).size() : 0;
+        const uint64_t n_kn = plan->kn_cells.size();
 
         // ... and whether it gathers the selection
         const uint64_t gathers = view->n_candidates > 0 && view->gathers(std::min<int64_t>(view->n_candidates, mctx->get_n_kv()));
@@ -95,9 +95,8 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
             }
         }
 
-        const size_t n_kn = view->n_candidates > 0 ? plan->key_norm_updates(mctx->get_n_kv()).size() : 0;
-        if (n_kn > 0) {
-            inp.kn_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n_kn);
+        if (!plan->kn_cells.empty()) {
+            inp.kn_cells = ggml_new_tensor_1d(ctx, GGML_TYPE_I32, plan->kn_cells.size());
             ggml_set_input(inp.kn_cells);
             ggml_set_name(inp.kn_cells, "sfi_inp_kn_cells");
         }
@@ -119,7 +118,7 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
     }
 
     int32_t n_sel_max = 0;
-    for (const uint32_t s : plan->refresh) {
+    for (const uint32_t s : plan->gathering) {
         const auto & st = view->streams[s];
 
         ggml_tensor * sel = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, st.n_sel, view->n_head_kv_max, view->layers.size());
@@ -193,9 +192,8 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
     }
 
     if (inp.kn_cells && inp.kn_cells->buffer) {
-        const std::vector<int32_t> cells = plan->key_norm_updates(mctx->get_n_kv());
-        GGML_ASSERT((int64_t) cells.size() == inp.kn_cells->ne[0]);
-        ggml_backend_tensor_set(inp.kn_cells, cells.data(), 0, ggml_nbytes(inp.kn_cells));
+        GGML_ASSERT((int64_t) plan->kn_cells.size() == inp.kn_cells->ne[0]);
+        ggml_backend_tensor_set(inp.kn_cells, plan->kn_cells.data(), 0, ggml_nbytes(inp.kn_cells));
 
         // the step takes them now
         for (const uint32_t s : plan->streams) {
@@ -428,8 +426,8 @@ void llama_sfi_build_load(
         ggml_context * ctx,
          ggml_cgraph * gf,
         const llama_sfi_view & view,
-        const llama_kv_cache_context * mctx,
         const llama_sfi_graph_input  & inp,
+            uint32_t   s0,
          ggml_tensor * cells,
          ggml_tensor * picks,
         const std::vector<size_t> & refreshed,
@@ -447,9 +445,6 @@ void llama_sfi_build_load(
 
     ggml_tensor * own_slots    = ggml_view_1d(ctx, inp.sel_slots, k_head, 0);
     ggml_tensor * shared_slots = ggml_view_1d(ctx, inp.sel_slots, n_shared, k_head*inp.sel_slots->nb[0]);
-
-    // the streams of the ubatch are consecutive (see llama_sfi_build_export)
-    const uint32_t s0 = mctx->get_sfi()->streams[0];
 
     // gather the selection of the run's layers of rank r0 .. r0+nl-1 from the cache into the view: src and dst are
     // spans of layers (llama_sfi_view::layer_span) in which those layers start at layer l0, t_src and t_dst a layer's

@@ -16,10 +16,10 @@ struct llama_ubatch;
 // graph inputs of the compact view (members of the KV attention inputs)
 struct llama_sfi_graph_input {
     ggml_tensor * tail_idxs = nullptr; // I64 [n_tokens]    FAST: slots of the ubatch tokens (stream*c_max + slot)
-    ggml_tensor * sel_slots = nullptr; // I64 [n]           FAST + refresh, SLOW that gathers: the slots 0 .. n-1
+    ggml_tensor * sel_slots = nullptr; // I64 [n]           FAST that gathers, SLOW that gathers: the slots 0 .. n-1
     ggml_tensor * tail_idxs_v = nullptr; // I64 [n_tokens*n_embd_v_gqa] FAST, V transposed: element of each channel
 
-    // FAST + refresh: per stream that gathers its selection, I32 [n_sel, n_head_kv_max, n_layers] cells
+    // FAST: per stream that gathers its selection (its first FAST step after it), I32 [n_sel, n_head_kv_max, n_layers] cells
     std::vector<std::pair<uint32_t, ggml_tensor *>> sel;
 
     // SLOW + device Selector, per stream of the ubatch: F32 [n_kv, 1, 1, ns] 0 for the cells in the Selector's
@@ -29,7 +29,7 @@ struct llama_sfi_graph_input {
     ggml_tensor * sel_mask = nullptr;
     ggml_tensor * sel_u    = nullptr;
 
-    // SLOW with candidates: I32 [n] the cells whose key norms the step takes (llama_sfi_plan::key_norm_updates)
+    // SLOW export with key norms: I32 [n] the cells whose key norms the step takes (llama_sfi_plan::kn_cells)
     ggml_tensor * kn_cells = nullptr;
 
     // SLOW + device Selector that gathers (llama_sfi_view::gathers): I32 [n_sink + n_recent, n_rep, ns] the cells of
@@ -77,16 +77,16 @@ void llama_sfi_build_store(
          ggml_tensor * v_cur,
                  int   il);
 
-// SLOW with the device Selector: gather the selection of the layers refreshed[first..last) (their run of the
-// Selector: cells [n_cand, nb], picks [k_head, n_head_kv, nb], pair b = rank*ns + stream) into the view: each row's
+// SLOW with the device Selector: gather the selection of the layers refreshed[first..last) for the streams s0 ..
+// s0+ns-1 (their run of the Selector: cells [n_cand, nb], picks [k_head, n_head_kv, nb], pair b = rank*ns + stream) into the view: each row's
 // own cells cells[picks] into slots 0 .. k_head-1, the shared ones (inp.shared) after them; the step wrote its own
 // token's K/V to the cache before (every layer's store precedes the Selector)
 void llama_sfi_build_load(
         ggml_context * ctx,
          ggml_cgraph * gf,
         const llama_sfi_view & view,
-        const llama_kv_cache_context * mctx,
         const llama_sfi_graph_input  & inp,
+            uint32_t   s0,
          ggml_tensor * cells,
          ggml_tensor * picks,
         const std::vector<size_t> & refreshed,

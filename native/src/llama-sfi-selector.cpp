@@ -1,31 +1,34 @@
-// The device Selector in the slow step's graph: the evidence of a stack of layers, scored and cut to the k_head best
-// cells per layer and KV head (sfi_gguf/selector.py is the reference)
+// The device Selector in the slow step's graph: the evidence of the refreshed layers, stacked, scored and cut to
+// the k_head best cells per layer and KV head (sfi_gguf/selector.py is the reference), and gathered into the view
 #include "llama-sfi-selector.h"
 
 #include "llama-sfi-export.h"
 #include "llama-sfi-graph.h"
 #include "llama-sfi-view.h"
 
+#include "ggml-backend.h"
 #include "ggml-sfi.h"
 
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 // the device Selector's softmaxes take at least this many rows at a time (layers stacked): a softmax runs
 // one row per GPU block, and one layer's rows (one per head) keep most of a GPU's multiprocessors idle
 static constexpr int64_t LLAMA_SFI_SOFTMAX_ROWS = 256;
 
-ggml_tensor * llama_sfi_build_evidence(
-        ggml_context * ctx,
+// the evidence sum_r p_r^alpha [n_kv, 1, n_head_kv, n*ns] of n layers (layer-major) from their scaled scores,
+// scores(a, b) = those of layers a .. b-1 stacked [n_kv, n_rows, n_head, (b - a)*ns] (rows = n_rows*n_head*ns per
+// layer), with the softmaxes of several layers stacked (scores with sinks, a per-layer tensor, take theirs one
+// layer at a time)
+static ggml_tensor * llama_sfi_selector_evidence(
+        const llama_sfi_layer_export & ex,
               size_t   n,
              int64_t   rows,
         const std::function<ggml_tensor * (size_t, size_t)> & scores,
         const std::vector<ggml_tensor *> & sinks,
-         ggml_tensor * mask,
-               float   max_bias,
-               float   alpha,
              int64_t   n_head_kv) {
     const bool   any_sinks = std::any_of(sinks.begin(), sinks.end(), [](const ggml_tensor * t) { return t != nullptr; });
     const size_t n_stack   = any_sinks ? 1 : (size_t) std::max<int64_t>(1, (LLAMA_SFI_SOFTMAX_ROWS + rows - 1)/rows);
@@ -34,13 +37,12 @@ ggml_tensor * llama_sfi_build_evidence(
     for (size_t first = 0; first < n; first += n_stack) {
         const size_t last = std::min(first + n_stack, n);
 
-        ggml_tensor * p = ggml_soft_max_ext(ctx, scores(first, last), mask, 1.0f, max_bias);
-        ggml_soft_max_add_sinks(p, n_stack == 1 ? sinks[first] : nullptr);
+        ggml_tensor * p = ex.softmax(scores(first, last), n_stack == 1 ? sinks[first] : nullptr);
 
-        evids.push_back(llama_sfi_group_sum(ctx, llama_sfi_pow(ctx, p, alpha), n_head_kv));
+        evids.push_back(llama_sfi_group_sum(ex.ctx, llama_sfi_pow(ex.ctx, p, ex.view.params.evidence_alpha), n_head_kv));
     }
 
-    return llama_sfi_stack(ctx, evids, 3);
+    return llama_sfi_stack(ex.ctx, evids, 3);
 }
 
 // the fused evidence op (ggml_sfi_evidence) runs where the keys are, when that backend has it; RPC reports every op
@@ -65,22 +67,26 @@ static bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * s
     return ggml_backend_dev_supports_op(dev, op);
 }
 
-ggml_tensor * llama_sfi_build_evidence_fused(
-        ggml_context * ctx,
+// the evidence [n_kv, 1, n_head_kv, n*ns] of n layers as ggml_sfi_evidence ops: qs[l] the layers' scaled queries
+// [n_embd_head, n_q, n_head_kv, ns], k4 the keys of all n as [n_embd_head, n_kv, n_head_kv, n] (one op; ns 1) or
+// nullptr, ks[l] then each layer's [n_embd_head, n_head_kv, n_kv, ns] (one op per layer); nullptr when the backend of
+// the keys lacks the op
+static ggml_tensor * llama_sfi_selector_evidence_fused(
+        const llama_sfi_layer_export & ex,
         const std::vector<ggml_tensor *> & qs,
          ggml_tensor * k4,
         const std::vector<ggml_tensor *> & ks,
-         ggml_tensor * storage,
-         ggml_tensor * mask,
-             int64_t   n_rows,
-               float   alpha,
-               float   cap) {
+         ggml_tensor * storage) {
+    ggml_context * ctx = ex.ctx;
+
+    const float alpha = ex.view.params.evidence_alpha;
+
     std::vector<ggml_tensor *> evids;
     if (k4) {
-        evids.push_back(ggml_sfi_evidence(ctx, llama_sfi_stack(ctx, qs, 3), k4, mask, n_rows, alpha, cap));
+        evids.push_back(ggml_sfi_evidence(ctx, llama_sfi_stack(ctx, qs, 3), k4, ex.mask, ex.n_rows, alpha, ex.cap));
     } else {
         for (size_t l = 0; l < qs.size(); ++l) {
-            evids.push_back(ggml_sfi_evidence(ctx, qs[l], ggml_permute(ctx, ks[l], 0, 2, 1, 3), mask, n_rows, alpha, cap));
+            evids.push_back(ggml_sfi_evidence(ctx, qs[l], ggml_permute(ctx, ks[l], 0, 2, 1, 3), ex.mask, ex.n_rows, alpha, ex.cap));
         }
     }
     if (!llama_sfi_backend_runs(evids[0], storage)) {
@@ -92,7 +98,14 @@ ggml_tensor * llama_sfi_build_evidence_fused(
     return llama_sfi_stack(ctx, evids, 3);
 }
 
-std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_build_selector(
+// the SFI Selector (sfi_gguf/selector.py, SFISelector) over the evidence of n layers of the same shape, for
+// every stream of the ubatch, as one set of ops on the layers stacked (layer-major: batch b = layer*ns + stream):
+// per layer ops were thousands of small kernels, and softmaxes and sums over a few long rows used a few
+// multiprocessors of a GPU
+//   evid [n_kv, 1, n_head_kv, n*ns] (sum_r p_r^alpha, llama_sfi_selector_evidence), kns[l] the layers' key norms
+//   [n_head_kv, kv_size, ns] (llama_sfi_layer_export::kn)
+//   returns the candidate cells I32 [n_cand, n*ns] and the picks I32 [k_head, n_head_kv, n*ns] (indices into them)
+static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         ggml_context * ctx,
         const llama_sfi_view & view,
         const llama_sfi_graph_input & inp,
@@ -185,4 +198,113 @@ std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_build_selector(
     ggml_set_name(sc, "sfi_sel_score");
 
     return { cells, ggml_cont(ctx, ggml_argsort_top_k(ctx, sc, sp.k_head)) };
+}
+
+void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
+    ggml_context * ctx  = ex.ctx;
+    const auto   & view = ex.view;
+    auto         & res  = ex.res;
+
+    const size_t i        = ex.i;
+    const size_t n_layers = view.layers.size();
+
+    // only the Selector's picks leave (no mass, evidence or key-norm export); it runs once, after the last refreshed
+    // layer, on every run of refreshed layers with the same number of KV heads; res.sel[i] and res.cells[i] are then
+    // the outputs of layer i's run
+    res.sel_q[i]     = ex.q;
+    res.sel_k[i]     = ex.k;
+    res.sel_sinks[i] = ex.sinks;
+    res.sel_kn[i]    = ex.kn;
+
+    std::vector<size_t> refreshed;
+    for (size_t j = 0; j < n_layers; ++j) {
+        if (view.refreshes(j)) {
+            refreshed.push_back(j);
+        }
+    }
+    if (i != refreshed.back()) {
+        return;
+    }
+
+    for (size_t first = 0, last; first < refreshed.size(); first = last) {
+        const int64_t h = res.sel_kn[refreshed[first]]->ne[0];
+        for (last = first + 1; last < refreshed.size() && res.sel_kn[refreshed[last]]->ne[0] == h; ++last) {}
+
+        std::vector<ggml_tensor *> sinks_run;
+        std::vector<ggml_tensor *> kns;
+        for (size_t j = first; j < last; ++j) {
+            sinks_run.push_back(res.sel_sinks[refreshed[j]]);
+            kns.push_back(res.sel_kn[refreshed[j]]);
+        }
+
+        // the queries and keys of the run's layers a .. b-1, and with one stream and layers at one stride in the cache
+        // (llama_sfi_view::layer_span) the keys of them all as one view [n_embd_head, n_kv, n_head_kv, b - a]
+        auto layers_of = [&](size_t a, size_t b, std::vector<ggml_tensor *> & qs, std::vector<ggml_tensor *> & ks) -> ggml_tensor * {
+            for (size_t j = first + a; j < first + b; ++j) {
+                qs.push_back(res.sel_q[refreshed[j]]);
+                ks.push_back(res.sel_k[refreshed[j]]);
+            }
+
+            const ggml_tensor * k0 = ks[0];
+            const size_t        l0 = refreshed[first + a];
+
+            bool span = ex.ns == 1 && view.cache_k.t;
+            for (size_t j = 0; j < ks.size() && span; ++j) {
+                const ggml_tensor * kj = ks[j];
+                span = refreshed[first + a + j] == l0 + j && kj->view_src == view.cache_k_of(view.layers[l0 + j].il) &&
+                    ggml_are_same_shape(kj, k0) && ggml_are_same_stride(kj, k0) && kj->view_offs == k0->view_offs;
+            }
+
+            return span ? ggml_view_4d(ctx, view.cache_k.t, k0->ne[0], k0->ne[2], k0->ne[1], (int64_t) ks.size(),
+                    k0->nb[2], k0->nb[1], view.cache_k.stride, l0*view.cache_k.stride + k0->view_offs) : nullptr;
+        };
+
+        // the scaled scores of the run's layers a .. b-1, stacked: one product of the span's keys with their queries,
+        // stacked; else one product per layer, and their scores stacked
+        auto scores = [&](size_t a, size_t b) {
+            std::vector<ggml_tensor *> qs;
+            std::vector<ggml_tensor *> ks;
+            if (ggml_tensor * k4 = layers_of(a, b, qs, ks)) {
+                return ex.scores(ggml_mul_mat(ctx, k4, llama_sfi_stack(ctx, qs, 3)));
+            }
+
+            std::vector<ggml_tensor *> kqs;
+            for (size_t j = 0; j < ks.size(); ++j) {
+                kqs.push_back(ex.scores(ks[j], qs[j]));
+            }
+            return llama_sfi_stack(ctx, kqs, 3);
+        };
+
+        const ggml_tensor * q0 = res.sel_q[refreshed[first]];
+
+        // the layers share the cache's mask; the fused op where the keys' backend has it (no sinks, no ALiBi)
+        ggml_tensor * evid = nullptr;
+        if (std::none_of(sinks_run.begin(), sinks_run.end(), [](const ggml_tensor * t) { return t != nullptr; }) &&
+                ex.max_bias == 0.0f) {
+            std::vector<ggml_tensor *> qs;
+            std::vector<ggml_tensor *> ks;
+            ggml_tensor * k4 = layers_of(0, last - first, qs, ks);
+            evid = llama_sfi_selector_evidence_fused(ex, qs, k4, ks, view.cache_k_of(view.layers[refreshed[first]].il));
+        }
+        if (!evid) {
+            evid = llama_sfi_selector_evidence(ex, last - first, q0->ne[1]*q0->ne[2]*q0->ne[3], scores, sinks_run, h);
+        }
+
+        const auto [cells, picks] = llama_sfi_selector_picks(ctx, view, ex.inp, evid, kns, ex.n_cand, ex.n_rows*(ex.n_head/ex.n_head_kv));
+
+        for (ggml_tensor * t : { cells, picks }) {
+            ggml_format_name(t, "%s-%zu", t == cells ? "sfi_cells" : "sfi_sel", refreshed[first]);
+            ggml_set_output(t);
+            ggml_build_forward_expand(ex.gf, t);
+        }
+        for (size_t j = first; j < last; ++j) {
+            res.cells[refreshed[j]] = cells;
+            res.sel[refreshed[j]]   = picks;
+        }
+
+        if (ex.inp.shared) {
+            llama_sfi_build_load(ctx, ex.gf, view, ex.inp, ex.s0, cells, picks, refreshed, first, last);
+            res.gathered = true;
+        }
+    }
 }

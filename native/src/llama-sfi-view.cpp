@@ -198,7 +198,7 @@ llama_sfi_view::llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & par
 
 void llama_sfi_view::stream::invalidate() {
     valid           = false;
-    refresh_pending = false;
+    gather_pending  = false;
     tail.clear();
 }
 
@@ -276,13 +276,13 @@ uint32_t llama_sfi_view::n_view(uint32_t s0, uint32_t s1) const {
     return n;
 }
 
-uint32_t llama_sfi_view::apply_ubatch(uint32_t s, const std::vector<uint32_t> & idxs, bool & refresh) {
+uint32_t llama_sfi_view::apply_ubatch(uint32_t s, const std::vector<uint32_t> & idxs, bool & gather) {
     auto & st = streams[s];
 
     GGML_ASSERT(st.valid);
 
-    refresh = st.refresh_pending;
-    st.refresh_pending = false;
+    gather = st.gather_pending;
+    st.gather_pending = false;
 
     const uint32_t slot0 = st.n_sel + st.tail.size();
 
@@ -412,17 +412,37 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
         view.note_written(sinfo.strm[j], sinfo.idxs[j]);
     }
 
+    kn_cells.clear();
+    if (exporting && view.params.export_key_norms) {
+        const int64_t size = view.kv.get_size();
+
+        for (const uint32_t s : streams) {
+            const auto & st = view.streams[s];
+
+            for (const uint32_t c : st.kn_stale) {
+                kn_cells.push_back(s*size + c);
+            }
+            for (uint32_t c = st.kn_upto; c < n_kv; ++c) {
+                kn_cells.push_back(s*size + c);
+            }
+        }
+
+        if (!kn_cells.empty()) {
+            kn_cells.resize(GGML_PAD(kn_cells.size(), LLAMA_SFI_PAD), kn_cells.back());
+        }
+    }
+
     if (step != LLAMA_SFI_STEP_FAST) {
         return n_kv;
     }
 
     tail0.resize(sinfo.n_stream());
-    refresh.clear();
+    gathering.clear();
     for (uint32_t j = 0; j < sinfo.n_stream(); ++j) {
-        bool refresh_s = false;
-        tail0[j] = view.apply_ubatch(sinfo.strm[j], sinfo.idxs[j], refresh_s);
-        if (refresh_s) {
-            refresh.push_back(sinfo.strm[j]);
+        bool gather = false;
+        tail0[j] = view.apply_ubatch(sinfo.strm[j], sinfo.idxs[j], gather);
+        if (gather) {
+            gathering.push_back(sinfo.strm[j]);
         }
     }
 
@@ -439,28 +459,6 @@ ggml_tensor * llama_sfi_plan::get_v(ggml_context * ctx, int32_t il, uint32_t n_k
 
 void llama_sfi_plan::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
     view.set_input_kq_mask(dst, ubatch);
-}
-
-std::vector<int32_t> llama_sfi_plan::key_norm_updates(uint32_t n_kv) const {
-    const int64_t size = view.kv.get_size();
-
-    std::vector<int32_t> res;
-    for (const uint32_t s : streams) {
-        const auto & st = view.streams[s];
-
-        for (const uint32_t c : st.kn_stale) {
-            res.push_back(s*size + c);
-        }
-        for (uint32_t c = st.kn_upto; c < n_kv; ++c) {
-            res.push_back(s*size + c);
-        }
-    }
-
-    if (!res.empty()) {
-        res.resize(GGML_PAD(res.size(), LLAMA_SFI_PAD), res.back());
-    }
-
-    return res;
 }
 
 //

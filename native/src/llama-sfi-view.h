@@ -46,7 +46,7 @@ struct llama_sfi_view {
     // the selection and the tail of one stream
     struct stream {
         bool valid           = false; // the view matches the cache
-        bool refresh_pending = false; // the selection has not been gathered yet
+        bool gather_pending = false; // the selection has not been gathered into the view yet (the next FAST step does)
 
         int32_t n_sel = 0;
         int32_t n_own = 0; // the first n_own cells of each row are its own, the rest shared by every row
@@ -59,7 +59,7 @@ struct llama_sfi_view {
         std::vector<uint32_t> tail; // cells written by FAST steps since the selection
 
         // the key norms in layer::kn hold for the cells below kn_upto, except kn_stale (written since): a SLOW
-        // step with candidates takes the others' (llama_sfi_view::key_norm_updates) when its inputs are set
+        // step that exports key norms takes the others' (llama_sfi_plan::kn_cells) when its inputs are set
         uint32_t              kn_upto = 0;
         std::vector<uint32_t> kn_stale;
 
@@ -143,9 +143,9 @@ struct llama_sfi_view {
     uint32_t n_view(uint32_t s0, uint32_t s1) const;
 
     // FAST ubatch placed in cells idxs of stream s: append them to its tail
-    //   refresh: set if this ubatch has to gather the selection of s
+    //   gather: set if this ubatch has to gather the selection of s
     //   returns the compact slot of the first token
-    uint32_t apply_ubatch(uint32_t s, const std::vector<uint32_t> & idxs, bool & refresh);
+    uint32_t apply_ubatch(uint32_t s, const std::vector<uint32_t> & idxs, bool & gather);
 
     ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
@@ -173,8 +173,12 @@ struct llama_sfi_plan {
     uint32_t s1 = 0;
 
     std::vector<uint32_t> streams; // stream of each sequence of the ubatch, in ubatch order
-    std::vector<uint32_t> refresh; // FAST: the streams of the ubatch that gather their selection
-    std::vector<uint32_t> tail0;   // FAST: per stream of the ubatch, the compact slot of its first token
+    std::vector<uint32_t> gathering; // FAST: the streams of the ubatch that gather their selection
+    std::vector<uint32_t> tail0;     // FAST: per stream of the ubatch, the compact slot of its first token
+
+    // SLOW export with key norms: the cells whose key norms the step takes (written since they were last taken),
+    // stream*kv_size + cell, padded to a multiple of LLAMA_SFI_PAD with the last one (its size is part of the graph)
+    std::vector<int32_t> kn_cells;
 
     bool fast() const { return step == LLAMA_SFI_STEP_FAST; }
 
@@ -187,10 +191,6 @@ struct llama_sfi_plan {
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
 
     void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
-
-    // SLOW with candidates: the cells whose key norms the step takes, stream*kv_size + cell, for the streams of
-    // the ubatch, padded to a multiple of LLAMA_SFI_PAD with the last one (its size is part of the graph key)
-    std::vector<int32_t> key_norm_updates(uint32_t n_kv) const;
 };
 
 // an edit of the cells of seq (every sequence for seq < 0) invalidates its view; keys_changed: the K of cells that

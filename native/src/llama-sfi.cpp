@@ -198,7 +198,7 @@ static void llama_sfi_store_selection(llama_sfi_view & view, llama_sfi_view::str
     st.n_sel           = n_sel;
     st.n_own           = n_own;
     st.valid           = true;
-    st.refresh_pending = !gathered;
+    st.gather_pending  = !gathered;
     st.tail.clear();
 }
 
