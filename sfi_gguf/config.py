@@ -215,10 +215,6 @@ class SFIConfig:
         """True when a context of `n_context` cells is too short for a sparse memory to pay off."""
         return self.policy == "dense" or n_context < self.resolve_min_context(n_context)
 
-    def lambda_clip(self, n_rows: int) -> float:
-        """Upper clip of lambda* for R = `n_rows` query rows (one row trusts the prior more)."""
-        return self.lambda_clip_single if n_rows == 1 else self.lambda_clip_multi
-
     def replace(self, **changes: Any) -> SFIConfig:
         """A copy with some fields changed (validated), e.g. from command-line options."""
         unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})

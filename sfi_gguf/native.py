@@ -1,7 +1,7 @@
 """ctypes bindings of the `llama_sfi_*` C API (compact-view fast steps, attention-mass export).
 
-The functions live in the same patched libllama that llama-cpp-python loaded (`_native.lib`), so they
-act on the contexts created through `llama_cpp`. See include/llama.h of the patched tree for the
+The functions live in the same libllama (sfi-gguf's build) that llama-cpp-python loaded (`_native.lib`), so they
+act on the contexts created through `llama_cpp`. See native/include/llama-sfi.h for the
 C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
 
 Typical cycle (one sequence; flash attention on or off; several sequences: pass seq=, see `batched`):
@@ -99,45 +99,31 @@ def _bind(name, argtypes, restype):
     return fn
 
 
-HAS_SFI = hasattr(lib, "llama_sfi_init")
-if HAS_SFI:
-    _default_params = _bind("llama_sfi_default_params", [], llama_sfi_params)
-    _init = _bind("llama_sfi_init", [_ctx_p, ctypes.POINTER(llama_sfi_params)], ctypes.c_int32)
-    _free = _bind("llama_sfi_free", [_ctx_p], None)
-    _n_layers = _bind("llama_sfi_n_layers", [_ctx_p], ctypes.c_int32)
-    _layer_info = _bind("llama_sfi_layer_info", [_ctx_p, ctypes.c_int32, _i32p, _i32p], ctypes.c_int32)
-    _set_mode = _bind("llama_sfi_set_mode", [_ctx_p, ctypes.c_int], ctypes.c_int32)
-    _set_selection = _bind("llama_sfi_set_selection",
-                           [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32],
-                           ctypes.c_int32)
-    _get_mass = _bind("llama_sfi_get_mass", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
-    _get_evidence = _bind("llama_sfi_get_evidence", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
-    _get_key_norms = _bind("llama_sfi_get_key_norms", [_ctx_p, _i32p, _i32p, _i32p], _f32p)
-    _set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
-    _get_candidates = _bind("llama_sfi_get_candidates", [_ctx_p, _i32p, _i32p], _i32p)
-    _get_n_query_rows = _bind("llama_sfi_get_n_query_rows", [_ctx_p], ctypes.c_int32)
-    _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
-    _status = _bind("llama_sfi_status", [_ctx_p], ctypes.c_uint32)
-    # the same for any sequence (batched decoding; the calls above read sequence 0)
-    _seq_get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
-    _seq_get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
-    _seq_get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
-    _seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
-    _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
-    _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
-    # a selection with cells shared by every row, and its overlap with the previous one (API v6)
-    _set_selection_shared = _bind("llama_sfi_set_selection_shared",
-                                  [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
-                                   _i32p, ctypes.c_int32], ctypes.c_int32)
-    _seq_selection_overlap = _bind("llama_sfi_seq_selection_overlap", [_ctx_p, ctypes.c_int32], ctypes.c_float)
-    # the SFI Selector in the slow step's graph (API v5)
-    _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
-    _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
-    _seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
-    # the device Selector refreshes a group of layers (API v7)
-    _set_refresh_layers = _bind("llama_sfi_set_refresh_layers", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
-    # a slow step's own selection loaded without a round trip through Python (API v8)
-    _seq_load_selection = _bind("llama_sfi_seq_load_selection", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_default_params = _bind("llama_sfi_default_params", [], llama_sfi_params)
+_init = _bind("llama_sfi_init", [_ctx_p, ctypes.POINTER(llama_sfi_params)], ctypes.c_int32)
+_free = _bind("llama_sfi_free", [_ctx_p], None)
+_n_layers = _bind("llama_sfi_n_layers", [_ctx_p], ctypes.c_int32)
+_layer_info = _bind("llama_sfi_layer_info", [_ctx_p, ctypes.c_int32, _i32p, _i32p], ctypes.c_int32)
+_set_mode = _bind("llama_sfi_set_mode", [_ctx_p, ctypes.c_int], ctypes.c_int32)
+_set_selection = _bind("llama_sfi_set_selection",
+                       [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+_set_selection_shared = _bind("llama_sfi_set_selection_shared",
+                              [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32,
+                               _i32p, ctypes.c_int32], ctypes.c_int32)
+_seq_load_selection = _bind("llama_sfi_seq_load_selection", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_seq_selection_overlap = _bind("llama_sfi_seq_selection_overlap", [_ctx_p, ctypes.c_int32], ctypes.c_float)
+_seq_get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+_seq_get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+_seq_get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
+_set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
+_selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
+_set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
+_set_refresh_layers = _bind("llama_sfi_set_refresh_layers", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
+_seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
+_seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
+_seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
 
 
 def _check(func: str, rc: int) -> int:
@@ -166,8 +152,6 @@ class SFINative:
     def __init__(self, ctx, n_sel_max: int | None = None, n_tail_max: int | None = None,
                  n_query_rows: int | None = None, evidence_alpha: float | None = None,
                  export_key_norms: bool | None = None):
-        if not HAS_SFI:
-            raise SFIError("llama_sfi_init", ERR_UNSUPPORTED)
         self.ctx = ctx
         self._initialized = False
         self.init(n_sel_max, n_tail_max, n_query_rows, evidence_alpha, export_key_norms)

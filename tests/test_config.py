@@ -51,12 +51,6 @@ def test_short_contexts_stay_dense():
     assert SFIConfig(policy="dense").stays_dense(1_000_000)
 
 
-def test_lambda_clip_depends_on_the_number_of_query_rows():
-    c = SFIConfig()
-    assert c.lambda_clip(1) == 0.35
-    assert c.lambda_clip(7) == c.lambda_clip(16 * 7) == 0.25
-
-
 @pytest.mark.parametrize("field,value", [
     ("n_sink", -1), ("n_recent", -5), ("n_sink", 1.5), ("n_sink", True), ("k_head", 0), ("k_head", -64),
     ("k_head", 2048.0), ("min_context", -1), ("cooldown", -1), ("min_gap", -1), ("refresh_interval", 0),

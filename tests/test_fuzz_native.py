@@ -198,8 +198,6 @@ class Fuzzer:
             assert code == native.ERR_BAD_ARG
 
     def op_candidates(self):
-        if not hasattr(native, "_set_n_candidates"):
-            return  # API v2
         n = int(self.pick((3, 0), (4, self.rng.integers(1, 64)), (1, 300), (1, 1 << 30), (1, -1)))
         code = self.rc(f"set_n_candidates({n})", native._set_n_candidates(self.c.ctx, n))
         if not self.inited:
@@ -301,17 +299,17 @@ class Fuzzer:
     def check_exports(self, n_tokens):
         c = self.c
         L, H, nc = (ctypes.c_int32() for _ in range(3))
-        mass = native._get_mass(c.ctx, ctypes.byref(L), ctypes.byref(H), ctypes.byref(nc))
+        mass = native._seq_get_mass(c.ctx, 0, ctypes.byref(L), ctypes.byref(H), ctypes.byref(nc))
         assert mass and (L.value, H.value) == (self.n_layers, self.n_head_kv)
         occ = c.occupied()
         assert 0 < nc.value <= c.n_ctx
         m = np.ctypeslib.as_array(mass, shape=(L.value, H.value, nc.value))
-        rows = native._get_n_query_rows(c.ctx)
+        rows = native._seq_get_n_query_rows(c.ctx, 0)
         n_last_ubatch = (n_tokens - 1) % c.n_ubatch + 1  # the export covers the last ubatch
         assert rows == min(self.params["n_query_rows"], n_last_ubatch)
         assert np.isfinite(m).all() and (m >= 0).all()
         group = llama_cpp.llama_model_n_head(c.model) // H.value
-        cand = native._get_candidates(c.ctx, None, None) if hasattr(native, "_get_candidates") else None
+        cand = native._seq_get_candidates(c.ctx, 0, None, None)
         self.seen[("export", "candidates" if self.n_candidates else "all")] += 1
         if self.n_candidates:  # the top cells of each layer only: ids of cells, no more than asked for
             assert cand and nc.value <= self.n_candidates
@@ -322,9 +320,9 @@ class Fuzzer:
         else:
             assert not cand and nc.value >= occ.max() + 1
             np.testing.assert_allclose(m.sum(-1), rows * group, rtol=2e-3)
-        ev = native._get_evidence(c.ctx, None, None, None)
+        ev = native._seq_get_evidence(c.ctx, 0, None, None, None)
         assert bool(ev) == (self.params["evidence_alpha"] > 0)
-        kn = native._get_key_norms(c.ctx, None, None, None)
+        kn = native._seq_get_key_norms(c.ctx, 0, None, None, None)
         assert bool(kn) == bool(self.params["export_key_norms"])
 
     def op_cycle(self):
@@ -389,12 +387,12 @@ class Fuzzer:
 
     def op_exports(self):
         c, r = self.c, self.rng
-        for fn in (native._get_mass, native._get_evidence, native._get_key_norms):
+        for fn in (native._seq_get_mass, native._seq_get_evidence, native._seq_get_key_norms):
             outs = [ctypes.c_int32(-7) if r.random() < 0.8 else None for _ in range(3)]
-            ptr = fn(c.ctx, *[ctypes.byref(o) if o is not None else None for o in outs])
+            ptr = fn(c.ctx, 0, *[ctypes.byref(o) if o is not None else None for o in outs])
             if not ptr:
                 assert all(o is None or o.value == 0 for o in outs)
-        rows = native._get_n_query_rows(c.ctx)
+        rows = native._seq_get_n_query_rows(c.ctx, 0)
         assert rows >= 0 if self.inited else rows == native.ERR_NOT_INIT
         seq = int(self.pick((6, 0), (1, 1), (1, -1)))
         n = int(self.pick((3, c.n_ctx), (1, 0), (1, 5), (1, c.n_ctx + 10), (1, -3)))
@@ -458,7 +456,7 @@ class Fuzzer:
             assert not self.status() & native.STATUS_VIEW_VALID, (kind, self.status())
 
     def status(self) -> int:
-        return int(native._status(self.c.ctx))
+        return int(native._seq_status(self.c.ctx, 0))
 
     def run(self, steps: int):
         ops = [(2, self.op_init), (1, self.op_free), (4, self.op_mode), (5, self.op_selection), (10, self.op_decode),
@@ -489,7 +487,7 @@ def test_random_api_sequences_never_crash(name, type_kv, n_ubatch, fa):
         if STEPS >= 300:
             for key in [("decode", "fast"), ("decode", "fell_back"), ("decode", "slow"), ("set_selection", 0),
                         ("set_selection", native.ERR_RANGE), ("set_selection", native.ERR_COUNT),
-                        ("export", "all"), ("load_selection", 0)] + [("export", "candidates")] * hasattr(native, "_set_n_candidates"):
+                        ("export", "all"), ("load_selection", 0), ("export", "candidates")]:
                 assert f.seen[key] > 0, f"never saw {key}"
     except AssertionError as e:
         raise AssertionError(f"seed {seed} ({name}): {e}\nlast operations:\n  " + "\n  ".join(f.log)) from None
@@ -504,15 +502,15 @@ def test_calls_on_a_context_without_sfi_return_codes():
         assert native._set_selection(c.ctx, 0, sel.ctypes.data_as(native._i32p), 2, 4, 1) == native.ERR_NOT_INIT
         assert native._set_mode(c.ctx, 1) == native.ERR_NOT_INIT
         assert native._layer_info(c.ctx, 0, None, None) == native.ERR_NOT_INIT
-        assert native._get_n_query_rows(c.ctx) == native.ERR_NOT_INIT
-        assert native._n_layers(c.ctx) == 0 and native._status(c.ctx) == 0
-        assert not native._get_mass(c.ctx, None, None, None)
+        assert native._seq_get_n_query_rows(c.ctx, 0) == native.ERR_NOT_INIT
+        assert native._n_layers(c.ctx) == 0 and native._seq_status(c.ctx, 0) == 0
+        assert not native._seq_get_mass(c.ctx, 0, None, None, None)
         native._free(c.ctx)  # free without init is a no-op
         # a NULL context
         assert native._init(None, ctypes.byref(native._default_params())) == native.ERR_BAD_ARG
         assert native._set_mode(None, 0) == native.ERR_NOT_INIT
         assert native._get_cell_pos(None, 0, None, 0) == native.ERR_BAD_ARG
-        assert native._status(None) == 0 and native._n_layers(None) == 0
+        assert native._seq_status(None, 0) == 0 and native._n_layers(None) == 0
         native._free(None)
     finally:
         c.close()

@@ -256,9 +256,9 @@ def test_calls_before_init_and_after_free(tiny):
         sel = np.zeros((1, 1, 1), dtype=np.int32)
         assert native._set_selection(c.ctx, 0, sel.ctypes.data_as(native._i32p), 1, 1, 1) == native.ERR_NOT_INIT
         assert native._n_layers(c.ctx) == 0
-        assert native._status(c.ctx) == 0
+        assert native._seq_status(c.ctx, 0) == 0
         n = ctypes.c_int32(-1)
-        assert not native._get_mass(c.ctx, None, None, ctypes.byref(n)) and n.value == 0
+        assert not native._seq_get_mass(c.ctx, 0, None, None, ctypes.byref(n)) and n.value == 0
         sfi = SFINative(c.ctx)
         assert sfi.n_layers == 2 and sfi.n_head_kv == 4
         sfi.free()

@@ -7,10 +7,10 @@ extern "C" {
 #endif
 
     //
-    // Slow-Fast Inference (SFI): compact-view KV decoding (sfi-gguf patch series)
+    // Slow-Fast Inference (SFI): compact-view KV decoding
     //
 
-    // API version of the SFI patch series; bumped whenever a llama_sfi_* signature changes
+    // API version of the SFI calls; bumped whenever a llama_sfi_* call or struct changes
     LLAMA_API int32_t llama_sfi_version(void);
 
     // Compact-view mode. After llama_sfi_init(), every llama_decode() runs in the mode set by
@@ -42,7 +42,7 @@ extern "C" {
         LLAMA_SFI_MODE_FAST  = 2,
     };
 
-    // bits of llama_sfi_status()
+    // bits of llama_sfi_seq_status()
 #define LLAMA_SFI_STATUS_VIEW_VALID      1  // a selection is loaded and matches the cache
 #define LLAMA_SFI_STATUS_LAST_FAST       2  // the last decode ran as a fast step
 #define LLAMA_SFI_STATUS_FELL_BACK_DENSE 4  // the last decode was asked FAST but ran dense
@@ -111,18 +111,13 @@ extern "C" {
     // same (layer, head), over every row ("support stability"); -1 when there was none with own cells
     LLAMA_API float llama_sfi_seq_selection_overlap(const struct llama_context * ctx, llama_seq_id seq);
 
-    // exports of the last SLOW decode of sequence 0, [n_layers][n_head_kv][n_cells], NULL when there is
+    // exports of the last SLOW decode of sequence seq, [n_layers][n_head_kv][n_cells], NULL when there is
     // none; owned by the context, valid until the next llama_decode() of the sequence. n_cells: the padded n_kv of the step (cell i is
     // cell i), or with candidates (llama_sfi_set_n_candidates) min(n_candidates, n_kv), cell j being
-    // llama_sfi_get_candidates()[layer][j]
+    // llama_sfi_seq_get_candidates()[layer][j]
     //   mass:      sum over the query rows and the GQA group of the softmax probabilities
     //   evidence:  sum over the query rows and the GQA group of p^alpha
     //   key norms: ||K|| of the cell for the KV head (after the cache's rotation, which keeps norms)
-    LLAMA_API const float * llama_sfi_get_mass     (struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
-    LLAMA_API const float * llama_sfi_get_evidence (struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
-    LLAMA_API const float * llama_sfi_get_key_norms(struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
-
-    // the same for sequence seq (batched decoding)
     LLAMA_API const float * llama_sfi_seq_get_mass     (struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
     LLAMA_API const float * llama_sfi_seq_get_evidence (struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
     LLAMA_API const float * llama_sfi_seq_get_key_norms(struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
@@ -135,10 +130,9 @@ extern "C" {
 
     // the candidate cells of the last export, [n_layers][n_cells] (in no particular order); NULL when the
     // export covers every cell
-    LLAMA_API const int32_t * llama_sfi_get_candidates    (struct llama_context * ctx, int32_t * n_layers, int32_t * n_cells);
     LLAMA_API const int32_t * llama_sfi_seq_get_candidates(struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_cells);
 
-    // The SFI Selector on the device (API v5). With a selector set and candidates on, a SLOW step also scores,
+    // The SFI Selector on the device. With a selector set and candidates on, a SLOW step also scores,
     // per covered layer and KV head, the cells of each sequence whose position lies in [n_sink, n_ctx - n_recent)
     // (n_ctx: the sequence's largest position + 1) and keeps the k_head best, in its graph: only those cells
     // leave the device (llama_sfi_seq_get_selection, and the candidates: llama_sfi_seq_get_candidates); the
@@ -187,15 +181,13 @@ extern "C" {
             int32_t * n_layers, int32_t * n_head_kv, int32_t * n_sel);
 
     // number of query rows summed in the last export (min(n_query_rows, tokens of the sequence in its ubatch))
-    LLAMA_API int32_t llama_sfi_get_n_query_rows    (const struct llama_context * ctx);
     LLAMA_API int32_t llama_sfi_seq_get_n_query_rows(const struct llama_context * ctx, llama_seq_id seq);
 
     // pos[i] = position of cell i in seq, -1 if the cell is empty or not in seq, for i < min(n, kv_size)
     // returns kv_size (pos may be NULL to query it), or a negative error code
     LLAMA_API int32_t llama_sfi_get_cell_pos(const struct llama_context * ctx, llama_seq_id seq, int32_t * pos, int32_t n);
 
-    // LLAMA_SFI_STATUS_* of sequence 0 / of seq (LAST_FAST and FELL_BACK_DENSE: the last llama_decode())
-    LLAMA_API uint32_t llama_sfi_status    (const struct llama_context * ctx);
+    // LLAMA_SFI_STATUS_* of seq (LAST_FAST and FELL_BACK_DENSE: the last llama_decode())
     LLAMA_API uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq);
 
 #ifdef __cplusplus

@@ -12,7 +12,7 @@
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 8
+#define LLAMA_SFI_API_VERSION 9
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -356,18 +356,6 @@ static const float * llama_sfi_get_export(
     return (ex->*data).data();
 }
 
-const float * llama_sfi_get_mass(struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells) {
-    return llama_sfi_get_export(ctx, 0, &llama_sfi_export::mass, n_layers, n_head_kv, n_cells);
-}
-
-const float * llama_sfi_get_evidence(struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells) {
-    return llama_sfi_get_export(ctx, 0, &llama_sfi_export::evidence, n_layers, n_head_kv, n_cells);
-}
-
-const float * llama_sfi_get_key_norms(struct llama_context * ctx, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells) {
-    return llama_sfi_get_export(ctx, 0, &llama_sfi_export::key_norms, n_layers, n_head_kv, n_cells);
-}
-
 const float * llama_sfi_seq_get_mass(struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells) {
     return llama_sfi_get_export(ctx, seq, &llama_sfi_export::mass, n_layers, n_head_kv, n_cells);
 }
@@ -499,10 +487,6 @@ const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_se
     return ex->selection.data();
 }
 
-const int32_t * llama_sfi_get_candidates(struct llama_context * ctx, int32_t * n_layers, int32_t * n_cells) {
-    return llama_sfi_seq_get_candidates(ctx, 0, n_layers, n_cells);
-}
-
 int32_t llama_sfi_seq_get_n_query_rows(const struct llama_context * ctx, llama_seq_id seq) {
     if (!ctx || !ctx->get_sfi()) {
         return LLAMA_SFI_ERR_NOT_INIT;
@@ -511,10 +495,6 @@ int32_t llama_sfi_seq_get_n_query_rows(const struct llama_context * ctx, llama_s
     const auto * ex = llama_sfi_seq_export(ctx, seq);
 
     return ex ? ex->n_rows : 0;
-}
-
-int32_t llama_sfi_get_n_query_rows(const struct llama_context * ctx) {
-    return llama_sfi_seq_get_n_query_rows(ctx, 0);
 }
 
 int32_t llama_sfi_get_cell_pos(const struct llama_context * ctx, llama_seq_id seq, int32_t * pos, int32_t n) {
@@ -554,8 +534,4 @@ uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq
     return sfi->status |
         (sfi->view->streams[s].valid ? LLAMA_SFI_STATUS_VIEW_VALID : 0) |
         (sfi->exports[s].valid       ? LLAMA_SFI_STATUS_MASS_VALID : 0);
-}
-
-uint32_t llama_sfi_status(const struct llama_context * ctx) {
-    return llama_sfi_seq_status(ctx, 0);
 }
