@@ -1,4 +1,4 @@
-// Times the ggml ops of an SFI slow step's export (patch 0002/0004, llama_sfi_build_export) on the
+// Times the ggml ops of an SFI slow step's export (llama_sfi_build_export, native/src/llama-sfi-export.cpp) on the
 // best backend (CUDA when built with it), one graph per stage with the op repeated for every layer,
 // so that a slow step's cost can be split into stages without a profiler.
 //
@@ -33,7 +33,7 @@ static ggml_tensor * group_sum(ggml_context * ctx, ggml_tensor * p, int64_t n_kv
     return ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3)));
 }
 
-// patch 0006: the same sum by halving with adds of strided views
+// the same sum by halving with adds of strided views (what the export does)
 static ggml_tensor * group_sum_halving(ggml_context * ctx, ggml_tensor * p, int64_t n_kv) {
     int64_t n = N_HEAD / N_HEAD_KV;
     p = ggml_reshape_3d(ctx, p, n_kv, n, N_HEAD_KV);
@@ -164,7 +164,7 @@ int main(int argc, char ** argv) {
         ggml_tensor * kn = ggml_reshape_3d(ctx, ggml_get_rows(ctx, k_rows, cells), HEAD_DIM, N_HEAD_KV, n_cand);
         return ggml_sqrt(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, kn)));
     });
-    // the export of patch 0004 (mass and evidence of the candidates), with either group sum
+    // the export of the candidates' mass and evidence, with either group sum
     using group_sum_fn = ggml_tensor * (*)(ggml_context *, ggml_tensor *, int64_t);
     auto whole_export = [&](group_sum_fn sum) {
         return [&, sum](ggml_context * ctx) {
@@ -178,8 +178,8 @@ int main(int argc, char ** argv) {
             return ggml_add(ctx, a, b);
         };
     };
-    bench("whole export (patch 0004)", whole_export(group_sum));
-    bench("whole export (patch 0006)", whole_export(group_sum_halving));
+    bench("whole export (permuted group sum)", whole_export(group_sum));
+    bench("whole export (group sum by halving)", whole_export(group_sum_halving));
 
     ggml_backend_buffer_free(buf);
     ggml_free(ctx_in);

@@ -1,6 +1,6 @@
 """Batched SFI: several sequences decode together, one token each per step (server slots, agent swarms).
 
-One llama_context holds up to n_parallel sequences, one KV stream each (patch 0007: each sequence has
+One llama_context holds up to n_parallel sequences, one KV stream each (each sequence has
 its own compact view, selection and exports). Every active sequence has its own stepper (policy,
 Selector, view) and sampler. A step
 

@@ -1,4 +1,4 @@
-"""Several sequences in one llama_decode batch, each with its own compact view (patch 0007).
+"""Several sequences in one llama_decode batch, each with its own compact view.
 
 The references are ordinary dense decodes: a multi-sequence context without SFI fed the same batches
 (bit-identical when every cell is selected in order), and single-sequence contexts (per-sequence

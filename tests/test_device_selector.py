@@ -1,4 +1,4 @@
-"""The SFI Selector in the slow step's graph (patch 0008) against the numpy reference (sfi_gguf.selector).
+"""The SFI Selector in the slow step's graph against the numpy reference (sfi_gguf.selector).
 
 With as many candidates as cells in the range, the device runs exactly the reference's stages on the full
 export: its scores (captured with cb_eval on the CPU) must match `SFISelector.score` and its selection

@@ -753,7 +753,7 @@ class NodeSizes:
 
 def test_removing_cells_keeps_the_other_cells_key_norms(tiny):
     """After cells are removed and rewritten (llama_memory_seq_rm, as a prompt-prefix reuse does), a slow step takes
-    the key norms of the rewritten and new cells only, not of the whole cache again (patch 0018); a shift still
+    the key norms of the rewritten and new cells only, not of the whole cache again; a shift still
     takes them all. Seen in the size of the slow step's list of cells to update (padded to 256)."""
     sizes = NodeSizes("sfi_inp_kn_cells")
     c = Ctx(tiny, capture=sizes)
