@@ -7,34 +7,33 @@ extern "C" {
 #endif
 
     //
-    // Slow-Fast Inference (SFI): compact-view KV decoding
+    // Slow-Fast Inference (SFI): decoding over a compact view of the KV cache
     //
-
-    // API version of the SFI calls; bumped whenever a llama_sfi_* call or struct changes
-    LLAMA_API int32_t llama_sfi_version(void);
-
-    // Compact-view mode. After llama_sfi_init(), every llama_decode() runs in the mode set by
-    // llama_sfi_set_mode() (sticky):
+    // After llama_sfi_init(), every llama_decode() runs in the mode set by llama_sfi_set_mode() (sticky):
     //   DENSE: an ordinary decode step.
-    //   SLOW:  an ordinary (dense, exact) decode step that also exports, for every covered layer,
-    //          KV head and cell, the attention mass of the last n_query_rows tokens of the (last)
-    //          ubatch, the power evidence sum_r p_r^alpha and the key norms ||K||.
-    //   FAST:  attention reads only a compact per-layer buffer: the cells of the selection given
-    //          by llama_sfi_set_selection() (gathered per KV head on the first FAST step after the
-    //          selection) followed by the tail, i.e. every token decoded by FAST steps since then.
-    //          Without a valid view (no selection, invalidated, tail full) the step runs dense and
-    //          sets LLAMA_SFI_STATUS_FELL_BACK_DENSE.
-    // Any non-FAST decode of a sequence and anything that changes its cells (seq_rm/cp/add/div,
-    // seq_keep, clear, K-shift, state load) invalidates its view.
-    // Several sequences (batched decoding): with n_seq_max > 1 the cache must keep one stream per
-    // sequence (kv_unified = false); each sequence has its own view, selection, tail and exports, and
-    // the mode applies to every sequence of a llama_decode() batch: FAST runs dense for the whole batch
-    // unless every sequence in it has a valid view with room in its tail. A step where some sequences
-    // are slow and others fast is two llama_decode() calls.
-    // Covered layers: the layers of the main KV cache (the non-SWA layers for iSWA models).
-    // Requirements: n_seq_max == 1 or one stream per sequence, a non-MLA cache with
-    // F32/F16/BF16/Q8_0/Q4_0/Q4_1/Q5_0/Q5_1 K/V types. Flash attention on or off (off: the compact view holds V transposed, like the
-    // cache, so that the plain attention reads it without a copy).
+    //   SLOW:  an ordinary (dense, exact) decode step that also exports, for every covered layer, KV head and
+    //          cell, the attention mass of the last n_query_rows tokens of the sequence's last ubatch, the
+    //          evidence sum_r p_r^alpha and the key norms ||K|| (or, with the device Selector, only its selection).
+    //   FAST:  attention reads only a compact per-layer buffer, the view: the cells of the selection given by
+    //          llama_sfi_set_selection() (gathered per KV head on the first FAST step after it) followed by the
+    //          tail, i.e. every token decoded by FAST steps since then. Without a valid view (no selection,
+    //          invalidated, tail full) the step runs dense and sets LLAMA_SFI_STATUS_FELL_BACK_DENSE.
+    // Any non-FAST decode of a sequence and anything that changes its cells (seq_rm/cp/add/div, seq_keep, clear,
+    // K-shift, state load) invalidates its view.
+    //
+    // Several sequences (batched decoding): with n_seq_max > 1 the cache must keep one stream per sequence
+    // (kv_unified = false); each sequence has its own view, selection, tail and exports, and the mode applies to
+    // every sequence of a llama_decode() batch: FAST runs dense for the whole batch unless every sequence in it has
+    // a valid view with room in its tail. A step where some sequences are slow and others fast is two
+    // llama_decode() calls.
+    //
+    // Covered layers: the layers of the main KV cache (the non-SWA layers of iSWA models).
+    // Requirements: n_seq_max == 1 or one stream per sequence, a non-MLA cache with F32/F16/BF16/Q8_0/Q4_0/Q4_1/
+    // Q5_0/Q5_1 K/V types, no ALiBi, one position per token. Flash attention on or off (off: the view holds V
+    // transposed, like the cache, so that the plain attention reads it without a copy).
+    //
+    // Calls return 0 (or a count) on success and one of the LLAMA_SFI_ERR_* codes on bad input; calls that return a
+    // pointer return NULL and set their int32_t * outputs (each may be NULL) to 0. Nothing aborts on bad input.
 
     enum llama_sfi_mode {
         LLAMA_SFI_MODE_DENSE = 0,
@@ -46,17 +45,21 @@ extern "C" {
 #define LLAMA_SFI_STATUS_VIEW_VALID      1  // a selection is loaded and matches the cache
 #define LLAMA_SFI_STATUS_LAST_FAST       2  // the last decode ran as a fast step
 #define LLAMA_SFI_STATUS_FELL_BACK_DENSE 4  // the last decode was asked FAST but ran dense
-#define LLAMA_SFI_STATUS_MASS_VALID      8  // the sequence's last decode was a slow step and exported mass
+#define LLAMA_SFI_STATUS_MASS_VALID      8  // the sequence's last decode was a slow step and exported
 
     // error codes (negative); 0 = ok
-#define LLAMA_SFI_ERR_NOT_INIT    -1  // llama_sfi_init() was not called (or llama_sfi_free() was)
-#define LLAMA_SFI_ERR_BAD_ARG     -2  // null pointer, bad mode, bad sequence id, bad parameter
-#define LLAMA_SFI_ERR_RANGE       -3  // a cell outside [0, kv_size), empty or not in the sequence
-#define LLAMA_SFI_ERR_DUPLICATE   -4  // a cell twice in one (layer, head) selection
-#define LLAMA_SFI_ERR_COUNT       -5  // n_sel outside [1, n_sel_max], or n_layers/n_head_kv mismatch
-#define LLAMA_SFI_ERR_UNSUPPORTED -6  // > 1 sequence in a unified cache, unsupported cache/model
-#define LLAMA_SFI_ERR_ALLOC       -7  // could not allocate the compact buffers
+#define LLAMA_SFI_ERR_NOT_INIT     -1 // llama_sfi_init() was not called (or llama_sfi_free() was), or ctx is NULL
+#define LLAMA_SFI_ERR_BAD_ARG      -2 // null pointer, bad mode, bad sequence id, bad parameter
+#define LLAMA_SFI_ERR_RANGE        -3 // a cell outside [0, kv_size), empty or not in the sequence
+#define LLAMA_SFI_ERR_DUPLICATE    -4 // a cell twice in one (layer, head) selection
+#define LLAMA_SFI_ERR_COUNT        -5 // n_sel outside [1, n_sel_max], or n_layers/n_head_kv mismatch
+#define LLAMA_SFI_ERR_UNSUPPORTED  -6 // > 1 sequence in a unified cache, unsupported cache/model
+#define LLAMA_SFI_ERR_ALLOC        -7 // could not allocate the view
 #define LLAMA_SFI_ERR_NO_SELECTION -8 // no selection of a SLOW step to load (none ran, a decode or an edit since)
+
+    // Version of this API: bumped whenever a llama_sfi_* call or struct changes, so that a caller binding the
+    // calls by name (ctypes) can refuse a library it does not match.
+    LLAMA_API int32_t llama_sfi_version(void);
 
     struct llama_sfi_params {
         int32_t n_sel_max;        // capacity of a selection per (layer, KV head), in cells
@@ -66,22 +69,47 @@ extern "C" {
         bool    export_key_norms; // SLOW: also export ||K|| per (layer, KV head, cell)
     };
 
+    // n_sel_max 2308 (a 2048-cell selection, the sink and the recent window), n_tail_max 256, n_query_rows 1,
+    // evidence_alpha 0.5, export_key_norms true.
     LLAMA_API struct llama_sfi_params llama_sfi_default_params(void);
 
-    // allocates the compact buffers; calling it again re-initializes (and drops the selection)
+    // Start SFI on ctx: allocates the view (per covered layer and stream, pad256(n_sel_max + n_tail_max) slots,
+    // at most the cache's size) next to the cache, in the same buffer type. Mode DENSE, no selection, no
+    // candidates, no device Selector. Calling it again re-initializes.
+    // Returns 0, or
+    //   LLAMA_SFI_ERR_BAD_ARG:     ctx or params NULL, n_sel_max, n_tail_max or n_query_rows < 1, evidence_alpha
+    //                              negative or not finite, n_sel_max + n_tail_max too large; ctx is unchanged
+    //   LLAMA_SFI_ERR_UNSUPPORTED: no KV cache, several sequences in a unified cache, or a cache or model SFI
+    //                              does not cover (the log says why)
+    //   LLAMA_SFI_ERR_ALLOC:       the view could not be allocated
+    // After UNSUPPORTED or ALLOC, ctx has no SFI state (the previous one, if any, is freed).
     LLAMA_API int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params * params);
-    LLAMA_API void    llama_sfi_free(struct llama_context * ctx);
 
-    // number of covered layers (0 if not initialized); info of covered layer i: model layer index, KV heads
-    LLAMA_API int32_t llama_sfi_n_layers  (const struct llama_context * ctx);
+    // Stop SFI on ctx and free the view: decodes are ordinary again. No-op when ctx is NULL or has no SFI state.
+    LLAMA_API void llama_sfi_free(struct llama_context * ctx);
+
+    // Number of covered layers; 0 when ctx is NULL or has no SFI state.
+    LLAMA_API int32_t llama_sfi_n_layers(const struct llama_context * ctx);
+
+    // Covered layer i (0 <= i < llama_sfi_n_layers()): *il = its index in the model, *n_head_kv = its KV heads
+    // (either output may be NULL). Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for i out of range.
     LLAMA_API int32_t llama_sfi_layer_info(const struct llama_context * ctx, int32_t i, int32_t * il, int32_t * n_head_kv);
 
-    // mode of the following llama_decode() calls
+    // Mode of the following llama_decode() calls (see above). Returns 0, LLAMA_SFI_ERR_NOT_INIT, or
+    // LLAMA_SFI_ERR_BAD_ARG for a value that is not a llama_sfi_mode.
     LLAMA_API int32_t llama_sfi_set_mode(struct llama_context * ctx, enum llama_sfi_mode mode);
 
-    // cells: [n_layers][n_head_kv][n_sel] cell ids (not positions), n_layers = llama_sfi_n_layers(),
-    // n_head_kv = the largest n_head_kv of the covered layers (extra heads of smaller layers are ignored)
-    // every (layer, head) gets n_sel distinct cells that belong to seq; the order sets the slot order
+    // Selection of sequence seq for the FAST steps that follow: cells [n_layers][n_head_kv][n_sel] are cell ids
+    // (llama_sfi_get_cell_pos gives their positions), n_layers = llama_sfi_n_layers(), n_head_kv = the largest
+    // n_head_kv of the covered layers (the rows of heads a smaller layer lacks are ignored). Every (layer, head)
+    // gets n_sel distinct cells of seq, in the view's slots in the given order; the next FAST step of seq gathers
+    // them. Returns 0, or
+    //   LLAMA_SFI_ERR_NOT_INIT
+    //   LLAMA_SFI_ERR_BAD_ARG:   cells NULL with n_sel > 0, n_sel < 0, seq outside [0, n_seq_max)
+    //   LLAMA_SFI_ERR_COUNT:     n_layers or n_head_kv other than above, n_sel outside [1, n_sel_max]
+    //   LLAMA_SFI_ERR_RANGE:     a cell outside [0, kv_size), empty, or not holding seq
+    //   LLAMA_SFI_ERR_DUPLICATE: a cell twice in one (layer, head) row
+    // On error the sequence's selection and view are unchanged.
     LLAMA_API int32_t llama_sfi_set_selection(
             struct llama_context * ctx,
                     llama_seq_id   seq,
@@ -90,8 +118,10 @@ extern "C" {
                          int32_t   n_head_kv,
                          int32_t   n_sel);
 
-    // the same with n_shared more cells for every (layer, head), e.g. the sink and the recent window, after
-    // each row's own n_sel cells (shared may be NULL when n_shared is 0); no copy of them per row is needed
+    // The same with n_shared more cells (e.g. the sink and the recent window) after the n_sel own cells of every
+    // (layer, head), given once: shared [n_shared] (NULL when n_shared is 0). n_sel + n_shared is the count checked
+    // against [1, n_sel_max], and no row may hold a cell twice (own and shared together). Returns as
+    // llama_sfi_set_selection; LLAMA_SFI_ERR_BAD_ARG also for shared NULL with n_shared > 0, or n_shared < 0.
     LLAMA_API int32_t llama_sfi_set_selection_shared(
             struct llama_context * ctx,
                     llama_seq_id   seq,
@@ -102,41 +132,52 @@ extern "C" {
                  const int32_t   * shared,
                          int32_t   n_shared);
 
-    // load the selection of seq's last SLOW step (llama_sfi_seq_get_selection) as llama_sfi_set_selection_shared
-    // would, with the cells outside the device Selector's range (the sink and the recent window, this step's token
-    // included) shared by every row, without checking its cells again (the step did); before seq's next decode
+    // Load the selection of seq's last SLOW step (llama_sfi_seq_get_selection) as llama_sfi_set_selection_shared
+    // would, with the cells outside the device Selector's range (the sink and the recent window, that step's token
+    // included) shared by every row, without checking its cells again (the step did); call it before seq's next
+    // decode. When that step already gathered the selection into the view, the next FAST step does not gather it
+    // again. Returns 0, or
+    //   LLAMA_SFI_ERR_NOT_INIT
+    //   LLAMA_SFI_ERR_BAD_ARG:      seq outside [0, n_seq_max)
+    //   LLAMA_SFI_ERR_NO_SELECTION: seq's last decode was no SLOW step with a selection, or its cells changed since
+    //   LLAMA_SFI_ERR_COUNT:        the selection and its shared cells exceed n_sel_max
     LLAMA_API int32_t llama_sfi_seq_load_selection(struct llama_context * ctx, llama_seq_id seq);
 
-    // share of the own cells (not the shared ones) of seq's selection that the selection before it had in the
-    // same (layer, head), over every row ("support stability"); -1 when there was none with own cells
+    // Share of the own cells (not the shared ones) of seq's selection that the selection before it had in the same
+    // (layer, head), over every row ("support stability"). Returns -1 when there was no previous selection with own
+    // cells, and for a NULL ctx, no SFI state or seq outside [0, n_seq_max).
     LLAMA_API float llama_sfi_seq_selection_overlap(const struct llama_context * ctx, llama_seq_id seq);
 
-    // exports of the last SLOW decode of sequence seq, [n_layers][n_head_kv][n_cells], NULL when there is
-    // none; owned by the context, valid until the next llama_decode() of the sequence. n_cells: the padded n_kv of the step (cell i is
-    // cell i), or with candidates (llama_sfi_set_n_candidates) min(n_candidates, n_kv), cell j being
-    // llama_sfi_seq_get_candidates()[layer][j]
+    // The exports of seq's last SLOW decode, [n_layers][n_head_kv][n_cells], owned by the context and valid until
+    // the next llama_decode() of the sequence; n_cells is the padded n_kv of the step (column i is cell i), or with
+    // candidates (llama_sfi_set_n_candidates) min(n_candidates, n_kv), column j being
+    // llama_sfi_seq_get_candidates()[layer][j].
     //   mass:      sum over the query rows and the GQA group of the softmax probabilities
-    //   evidence:  sum over the query rows and the GQA group of p^alpha
-    //   key norms: ||K|| of the cell for the KV head (after the cache's rotation, which keeps norms)
+    //   evidence:  sum over the query rows and the GQA group of p^alpha (NULL when evidence_alpha is 0)
+    //   key norms: ||K|| of the cell for the KV head, after the cache's rotation, which keeps norms (NULL without
+    //              export_key_norms)
+    // NULL (and the outputs 0) when seq's last decode was no SLOW step, when it ran the device Selector, for a NULL
+    // ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API const float * llama_sfi_seq_get_mass     (struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
     LLAMA_API const float * llama_sfi_seq_get_evidence (struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
     LLAMA_API const float * llama_sfi_seq_get_key_norms(struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
 
-    // SLOW steps from now on export, per covered layer, only the n_candidates cells with the most evidence
-    // (the mass when evidence_alpha is 0) summed over the layer's KV heads, chosen on the device (top-k),
-    // with their key norms: what leaves the device shrinks from n_kv to n_candidates per (layer, head).
-    // 0 (the default) exports every cell.
+    // SLOW steps from now on export, per covered layer, only the n_candidates cells with the most evidence (the
+    // mass when evidence_alpha is 0) summed over the layer's KV heads, chosen on the device (top-k), with their key
+    // norms: what leaves the device shrinks from n_kv to n_candidates per (layer, head). 0 (the default) exports
+    // every cell. Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for n_candidates < 0.
     LLAMA_API int32_t llama_sfi_set_n_candidates(struct llama_context * ctx, int32_t n_candidates);
 
-    // the candidate cells of the last export, [n_layers][n_cells] (in no particular order); NULL when the
-    // export covers every cell
+    // The candidate cells of seq's last export, [n_layers][n_cells] (each row in no particular order; with the
+    // device Selector, its candidates; -1 for a layer it did not refresh). NULL (and the outputs 0) when the export
+    // covers every cell or there is none, for a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API const int32_t * llama_sfi_seq_get_candidates(struct llama_context * ctx, llama_seq_id seq, int32_t * n_layers, int32_t * n_cells);
 
-    // The SFI Selector on the device. With a selector set and candidates on, a SLOW step also scores,
-    // per covered layer and KV head, the cells of each sequence whose position lies in [n_sink, n_ctx - n_recent)
-    // (n_ctx: the sequence's largest position + 1) and keeps the k_head best, in its graph: only those cells
-    // leave the device (llama_sfi_seq_get_selection, and the candidates: llama_sfi_seq_get_candidates); the
-    // mass/evidence/key-norm exports are skipped.
+    // The SFI Selector on the device. With a selector set and candidates on, a SLOW step also scores, per covered
+    // layer and KV head, the cells of each sequence whose position lies in [n_sink, n_ctx - n_recent) (n_ctx: the
+    // sequence's largest position + 1) and keeps the k_head best, in its graph: only those cells leave the device
+    // (llama_sfi_seq_get_selection, and the candidates: llama_sfi_seq_get_candidates); the mass, evidence and
+    // key-norm exports are skipped.
     // The stages (sfi_gguf/selector.py is the reference):
     //   f = normalised evidence^(1/alpha), max-pooled over pool_window neighbouring cells, renormalised;
     //   candidates: the n_candidates cells with the most f summed over the layer's KV heads;
@@ -164,30 +205,48 @@ extern "C" {
         float   cross_head_temperature;
     };
 
+    // The reference's defaults, with k_head 0 (no selector): n_sink 4, n_recent 256, pool_window 17,
+    // key_norm_exponent -0.5, w_pos 0.7, pos_beta -ln(0.6)/0.9, pos_power 1.8, pos_eta 0.4, lambda clips 0.35 and
+    // 0.25, cross_head_alpha 0.85, cross_head_temperature 2.
     LLAMA_API struct llama_sfi_selector_params llama_sfi_selector_default_params(void);
 
-    // NULL or k_head == 0: no selector; needs evidence (evidence_alpha > 0) and key norms
+    // The device Selector of the following SLOW steps with candidates; NULL or k_head 0: none. Its values are
+    // constants of the slow step's graph (a change rebuilds it). Returns 0, or
+    //   LLAMA_SFI_ERR_NOT_INIT
+    //   LLAMA_SFI_ERR_BAD_ARG:     a value not finite, k_head, n_sink or n_recent < 0, pos_power or
+    //                              cross_head_temperature <= 0
+    //   LLAMA_SFI_ERR_UNSUPPORTED: k_head > 0 without evidence (evidence_alpha > 0) and key norms
+    //                              (export_key_norms) in llama_sfi_params
+    // On error the previous selector stays.
     LLAMA_API int32_t llama_sfi_set_selector(struct llama_context * ctx, const struct llama_sfi_selector_params * params);
 
-    // slow steps with the device Selector refresh only the layers i (of llama_sfi_layer_info) with
+    // Slow steps with the device Selector refresh only the layers i (of llama_sfi_layer_info) with
     // i % n_groups == group, and skip the other layers' export; their rows of the selection are the own cells of
     // the selection the sequence's view holds (a step whose view holds none with k_head own cells per row has
     // no selection). n_groups 1: every layer (the default). The reference's refresh_layer_groups.
+    // Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for n_groups < 1, group outside
+    // [0, n_groups) or group >= llama_sfi_n_layers().
     LLAMA_API int32_t llama_sfi_set_refresh_layers(struct llama_context * ctx, int32_t n_groups, int32_t group);
 
-    // the selection of seq's last SLOW step, [n_layers][n_head_kv][n_sel] cell ids, each row in no particular
-    // order; NULL when that step ran no selector
+    // The selection of seq's last SLOW step, [n_layers][n_head_kv][n_sel] cell ids (n_sel = k_head), each row in
+    // no particular order. NULL (and the outputs 0) when that step ran no device Selector or had no selection, for
+    // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_seq_id seq,
             int32_t * n_layers, int32_t * n_head_kv, int32_t * n_sel);
 
-    // number of query rows summed in the last export (min(n_query_rows, tokens of the sequence in its ubatch))
+    // Number of query rows summed in seq's last export: min(n_query_rows, the sequence's tokens in its last
+    // ubatch); 0 when there is no export (also for seq outside [0, n_seq_max)). LLAMA_SFI_ERR_NOT_INIT without
+    // SFI state or for a NULL ctx.
     LLAMA_API int32_t llama_sfi_seq_get_n_query_rows(const struct llama_context * ctx, llama_seq_id seq);
 
-    // pos[i] = position of cell i in seq, -1 if the cell is empty or not in seq, for i < min(n, kv_size)
-    // returns kv_size (pos may be NULL to query it), or a negative error code
+    // pos[i] = position of cell i in seq, -1 if the cell is empty or not in seq, for i < min(n, kv_size). Needs
+    // no SFI state. Returns kv_size (pos may be NULL with n 0 to query it), or
+    //   LLAMA_SFI_ERR_BAD_ARG:     ctx NULL, seq outside [0, n_seq_max), n < 0, pos NULL with n > 0
+    //   LLAMA_SFI_ERR_UNSUPPORTED: the context has no KV cache SFI works on
     LLAMA_API int32_t llama_sfi_get_cell_pos(const struct llama_context * ctx, llama_seq_id seq, int32_t * pos, int32_t n);
 
-    // LLAMA_SFI_STATUS_* of seq (LAST_FAST and FELL_BACK_DENSE: the last llama_decode())
+    // LLAMA_SFI_STATUS_* bits of seq (LAST_FAST and FELL_BACK_DENSE: of the context's last llama_decode()); 0 for a
+    // NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq);
 
 #ifdef __cplusplus
