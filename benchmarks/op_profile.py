@@ -30,7 +30,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sfi_gguf._native import LIB_PATH, llama_cpp  # noqa: E402  (loads the patched library)
-from sfi_gguf.context import LlamaContext  # noqa: E402
+from sfi_gguf.context import LlamaContext, decode_one_per_sequence  # noqa: E402
 from sfi_gguf.native import SFINative  # noqa: E402
 from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
 from sfi_gguf.selector import SFISelector  # noqa: E402
@@ -138,11 +138,8 @@ class Sequences:
                 seq.decode([int(t) for t in rng.integers(10, min(self.lc.n_vocab, 30000), k)])
 
     def step(self, token: int) -> None:
-        b = self.batch
-        b.n_tokens = len(self.seqs)
-        for i, seq in enumerate(self.seqs):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = token, len(seq.tokens), 1, seq.seq, 1
-        if llama_cpp.llama_decode(self.lc.ctx, b) != 0:
+        steps = [(seq.seq, len(seq.tokens), token) for seq in self.seqs]
+        if decode_one_per_sequence(self.lc.ctx, self.batch, steps) != 0:
             raise RuntimeError("llama_decode failed")
         for seq in self.seqs:
             seq.tokens.append(token)

@@ -21,91 +21,15 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ._native import llama_cpp
-from .context import ContextError, LlamaContext
-from .generate import Completion, GenerationStats, TextStream, start_generation
-from .native import STATUS_FELL_BACK_DENSE, SFINative
+from .context import ContextError, LlamaContext, decode_one_per_sequence
+from .generate import Completion, Ending, GenerationStats, start_generation
+from .native import SFINative
 from .sampling import Sampler
 
 # llama_decode order of the groups: the fast group last, it is the largest and its status bits are
 # the ones a fast sequence reads back (fell back to dense or not)
 GROUP_ORDER = ("slow", "dense", "fast")
 GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINative.FAST}
-
-
-class SequenceNative:
-    """The `SFINative` calls of one sequence: what `SFIStepper` needs, with the sequence id filled in.
-
-    A mode, candidate count, device Selector or group of layers to refresh acts at once (the sequence's
-    prefill decodes alone); they are also kept per sequence, for the batch loop to apply per group before
-    each grouped llama_decode (it sets the group's mode itself).
-    """
-
-    def __init__(self, native: SFINative, seq: int):
-        self.base, self.seq = native, seq
-        self.n_candidates = 0
-        self.selector: dict | None = None
-        self.refresh_layers = (1, 0)
-
-    @property
-    def params(self) -> dict:
-        return self.base.params
-
-    @property
-    def n_layers(self) -> int:
-        return self.base.n_layers
-
-    @property
-    def n_head_kv(self) -> int:
-        return self.base.n_head_kv
-
-    @property
-    def fell_back_dense(self) -> bool:
-        return bool(self.base.status(self.seq) & STATUS_FELL_BACK_DENSE)
-
-    def set_mode(self, mode: int) -> None:
-        self.base.set_mode(mode)
-
-    def set_n_candidates(self, n_candidates: int) -> None:
-        self.n_candidates = n_candidates
-        self.base.set_n_candidates(n_candidates)
-
-    def set_selector(self, params: dict | None) -> None:
-        self.selector = params
-        self.base.set_selector(params)
-
-    def set_refresh_layers(self, n_groups: int, group: int) -> None:
-        self.refresh_layers = (n_groups, group)
-        self.base.set_refresh_layers(n_groups, group)
-
-    def set_selection(self, cells, shared=None) -> None:
-        self.base.set_selection(cells, seq=self.seq, shared=shared)
-
-    def load_selection(self) -> None:
-        self.base.load_selection(self.seq)
-
-    def selection_overlap(self):
-        return self.base.selection_overlap(self.seq)
-
-    def selection(self):
-        return self.base.selection(self.seq)
-
-    def mass(self):
-        return self.base.mass(self.seq)
-
-    def evidence(self):
-        return self.base.evidence(self.seq)
-
-    def key_norms(self):
-        return self.base.key_norms(self.seq)
-
-    def candidates(self):
-        return self.base.candidates(self.seq)
-
-    def n_query_rows(self) -> int:
-        return self.base.n_query_rows(self.seq)
-
-    def cell_pos(self):
-        return self.base.cell_pos(self.seq)
 
 
 @dataclass
@@ -136,7 +60,7 @@ class _Slot:
         self.request: Request | None = None
         self.stepper = None
         self.token = -1           # sampled, not decoded yet
-        self.text: TextStream | None = None
+        self.ending: Ending | None = None
         self.t_decode = 0.0
 
 
@@ -185,12 +109,13 @@ class BatchedDecoder:
             raise RuntimeError("no free slot")
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
-        slot.request, slot.text = request, TextStream(request.stop)
+        slot.request = request
         slot.stepper = self.make_stepper(slot.ctx, request.config)
         start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
+        slot.ending = Ending(request.stop, request.max_tokens, request.ignore_eos, request.stats, request.out_tokens,
+                             request.cancel)
         slot.t_decode = 0.0
-        if request.max_tokens == 0:
-            request.stats.finish_reason = "length"
+        if slot.ending.reason is not None:  # max_tokens 0
             request.done = True  # the next step() frees the slot
             return
         self._sample(slot)
@@ -212,17 +137,12 @@ class BatchedDecoder:
     def step(self) -> list[Request]:
         """One token for every active slot; returns the requests that ended."""
         for slot in self.active:
-            request = slot.request
-            if not request.done and request.cancel is not None and request.cancel.is_set():
-                request.stats.finish_reason = "stop"
-                request.done = True
-        ended = [self._finish(slot) for slot in self.active if slot.request.done]  # ended when added, or cancelled
+            if not slot.request.done and slot.ending.before_step(slot.ctx) is not None:
+                slot.request.done = True  # cancelled, or the context is full
+        ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
         planned: dict[str, list[_Slot]] = {kind: [] for kind in GROUP_ORDER}
         for slot in self.active:
-            if len(slot.ctx.tokens) >= slot.ctx.n_ctx:
-                ended.append(self._end(slot, "length"))
-                continue
             planned[slot.stepper.plan(slot.token)].append(slot)
         for kind, group in self._groups(planned):
             t_group = time.perf_counter()
@@ -268,15 +188,8 @@ class BatchedDecoder:
                 native.set_n_candidates(group[0].stepper.native.n_candidates)
                 native.set_selector(group[0].stepper.native.selector)
                 native.set_refresh_layers(*group[0].stepper.native.refresh_layers)
-        batch = self._batch
-        batch.n_tokens = len(group)
-        for i, slot in enumerate(group):
-            batch.token[i] = slot.token
-            batch.pos[i] = len(slot.ctx.tokens)
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = slot.ctx.seq
-            batch.logits[i] = 1
-        rc = llama_cpp.llama_decode(self.base.ctx, batch)
+        rc = decode_one_per_sequence(self.base.ctx, self._batch,
+                                     [(slot.ctx.seq, len(slot.ctx.tokens), slot.token) for slot in group])
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc} ({len(group)} sequences, {kind} step)")
         for i, slot in enumerate(group):
@@ -286,23 +199,9 @@ class BatchedDecoder:
     def _sample(self, slot: _Slot) -> None:
         """Sample the slot's next token and emit its text; mark the request done when it ends."""
         request = slot.request
-        token = request.sampler.sample(slot.ctx)
-        request.out_tokens.append(token)
-        request.stats.n_generated += 1
-        slot.token = token
-        if not request.ignore_eos and slot.ctx.is_eog(token):
-            request.stats.ended_on_eog = True
-            request.stats.finish_reason = "stop"
-            request.done = True
-            return
-        piece, stopped = slot.text.push(slot.ctx.token_bytes(token))
-        self._emit(request, piece)
-        if stopped:
-            request.stats.finish_reason = "stop"
-            request.done = True
-        elif request.stats.n_generated >= request.max_tokens:
-            request.stats.finish_reason = "length"
-            request.done = True
+        slot.token = request.sampler.sample(slot.ctx)
+        self._emit(request, slot.ending.accept(slot.ctx, slot.token))
+        request.done = slot.ending.reason is not None
 
     def _emit(self, request: Request, piece: str) -> None:
         if piece:
@@ -310,15 +209,9 @@ class BatchedDecoder:
             if request.on_piece is not None:
                 request.on_piece(piece)
 
-    def _end(self, slot: _Slot, reason: str) -> Request:
-        slot.request.stats.finish_reason = reason
-        slot.request.done = True
-        return self._finish(slot)
-
     def _finish(self, slot: _Slot) -> Request:
         request = slot.request
-        if request.stats.finish_reason == "length":
-            self._emit(request, slot.text.close())
+        self._emit(request, slot.ending.tail())
         request.stats.decode_s = slot.t_decode
         request.stats.n_ctx_end = len(slot.ctx.tokens)
         slot.stepper.annotate(request.stats)

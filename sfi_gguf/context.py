@@ -37,6 +37,15 @@ def _available_memory() -> int | None:
     return info["MemAvailable"] + info.get("SwapFree", 0)
 
 
+def decode_one_per_sequence(ctx, batch, steps: Sequence[tuple[int, int, int]]) -> int:
+    """One llama_decode of one token for each of several sequences: steps are (seq, pos, token), each row with
+    its logits (row i: steps[i]); `batch` holds at least len(steps) tokens. Returns llama_decode's code."""
+    batch.n_tokens = len(steps)
+    for i, (seq, pos, token) in enumerate(steps):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.seq_id[i][0], batch.logits[i] = token, pos, 1, seq, 1
+    return llama_cpp.llama_decode(ctx, batch)
+
+
 class LlamaContext:
     """Model, context, vocabulary and a reusable batch for one sequence (`seq`, 0 by default).
 

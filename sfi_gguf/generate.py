@@ -122,6 +122,56 @@ class TextStream:
         return tail + self._stops.flush()
 
 
+class Ending:
+    """When one generation ends, and why: the decision of the single loop (`run_generation`) and the batched one.
+
+    A sampled token (`accept`) ends it with "stop" at end-of-generation (unless ignore_eos) or a stop string,
+    else with "length" at max_tokens; before the next token is decoded (`before_step`) it ends with "stop" when
+    `cancel` is set, else with "length" when the context is full. `reason` (also stats.finish_reason) is None
+    while it goes on.
+    """
+
+    def __init__(self, stop: Sequence[str], max_tokens: int, ignore_eos: bool, stats: GenerationStats,
+                 out_tokens: list[int], cancel: threading.Event | None = None):
+        self.text = TextStream(stop)
+        self.max_tokens, self.ignore_eos, self.cancel = max_tokens, ignore_eos, cancel
+        self.stats, self.out_tokens = stats, out_tokens
+        self.reason: str | None = None
+        if max_tokens == 0:
+            self._end("length")
+
+    def _end(self, reason: str) -> str:
+        self.reason = self.stats.finish_reason = reason
+        return reason
+
+    def accept(self, ctx: LlamaContext, token: int) -> str:
+        """Record a sampled token; returns its text that is safe to emit now."""
+        self.out_tokens.append(token)
+        self.stats.n_generated += 1
+        if not self.ignore_eos and ctx.is_eog(token):
+            self.stats.ended_on_eog = True
+            self._end("stop")
+            return ""
+        piece, stopped = self.text.push(ctx.token_bytes(token))
+        if stopped:
+            self._end("stop")
+        elif self.stats.n_generated >= self.max_tokens:
+            self._end("length")
+        return piece
+
+    def before_step(self, ctx: LlamaContext) -> str | None:
+        """Why the generation ends before its last sampled token is decoded, or None when it goes on."""
+        if self.cancel is not None and self.cancel.is_set():
+            return self._end("stop")
+        if len(ctx.tokens) >= ctx.n_ctx:
+            return self._end("length")
+        return None
+
+    def tail(self) -> str:
+        """The text held back, once the generation ended by length (no stop string cut it)."""
+        return self.text.close() if self.reason == "length" else ""
+
+
 def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, stats: GenerationStats,
                      progress: bool = False) -> None:
     """The stepper's prefill of the prompt, recorded in `stats` with the sampler's seed."""
@@ -142,39 +192,22 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
     `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
     """
     start_generation(stepper, prompt_tokens, sampler, stats, progress)
-    text = TextStream(stop)
-    finish = "length"
+    ending = Ending(stop, max_tokens, ignore_eos, stats, out_tokens, cancel)
     t_decode = time.perf_counter()
     try:
-        for i in range(max_tokens):
-            if i > 0:
-                if len(ctx.tokens) >= ctx.n_ctx:
-                    break
-                if cancel is not None and cancel.is_set():
-                    finish = "stop"
-                    break
-                stepper.step(out_tokens[-1])
+        while ending.reason is None:
             token = sampler.sample(ctx)
-            out_tokens.append(token)
-            stats.n_generated += 1
-            if not ignore_eos and ctx.is_eog(token):
-                finish = "stop"
-                stats.ended_on_eog = True
-                break
-            piece, stopped = text.push(ctx.token_bytes(token))
+            piece = ending.accept(ctx, token)
             if piece:
                 yield piece
-            if stopped:
-                finish = "stop"
+            if ending.reason is not None or ending.before_step(ctx) is not None:
                 break
-        else:
-            finish = "length"
-        if finish == "length":
-            tail = text.close()
-            if tail:
-                yield tail
+            stepper.step(token)
+        tail = ending.tail()
+        if tail:
+            yield tail
     finally:
         stats.decode_s = time.perf_counter() - t_decode
-        stats.finish_reason = finish
+        stats.finish_reason = ending.reason or "length"  # (abandoned or failed midway: as the length ran out)
         stats.n_ctx_end = len(ctx.tokens)
         stepper.annotate(stats)

@@ -238,7 +238,7 @@ class SFILlama:
 
         ctx: the sequence to step (default: the first); batched generation passes each slot's.
         """
-        from .native import SFINative
+        from .native import SFINative, SFISequence
 
         config = config or self.sfi_config
         ctx = ctx or self._ctx
@@ -274,9 +274,7 @@ class SFILlama:
             self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
         native = self._sfi_native
         if self._ctx.n_seq_max > 1:
-            from .batched import SequenceNative
-
-            native = SequenceNative(native, ctx.seq)
+            native = SFISequence(native, ctx.seq)
         return SFIStepper(ctx, native, config, make_policy(config, self._pieces), make_selector(config))
 
     @_serialised

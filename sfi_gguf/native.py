@@ -4,7 +4,8 @@ The functions live in the same libllama (sfi-gguf's build) that llama-cpp-python
 act on the contexts created through `llama_cpp`. See native/include/llama-sfi.h for the
 C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
 
-Typical cycle (one sequence; flash attention on or off; several sequences: pass seq=, see `batched`):
+Typical cycle (one sequence; flash attention on or off; several sequences: pass seq= or
+use `SFISequence`, see `batched`):
 
     sfi = SFINative(ctx, n_sel_max=..., n_tail_max=256, n_query_rows=1)
     sfi.set_mode(SFINative.SLOW);  decode(token)        # dense, exact logits + export
@@ -15,6 +16,7 @@ Typical cycle (one sequence; flash attention on or off; several sequences: pass 
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -320,3 +322,47 @@ class SFINative:
         out = np.empty(n, dtype=np.int32)
         _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, out.ctypes.data_as(_i32p), n))
         return out
+
+
+class SFISequence:
+    """One sequence's view of a multi-sequence `SFINative`: what `SFIStepper` calls, with the sequence id filled in.
+
+    The per-sequence calls (exports, selection, status) act on this sequence; the context-wide ones pass
+    through. A candidate count, device Selector or group of layers to refresh acts at once (a sequence's
+    prefill decodes alone) and is also kept here, for the batch loop to apply per group before each grouped
+    llama_decode (it sets the group's mode itself). Any other `SFINative` attribute is refused: it would
+    read sequence 0.
+    """
+
+    PER_SEQUENCE = frozenset({"status", "set_selection", "load_selection", "selection_overlap", "mass", "evidence",
+                              "key_norms", "candidates", "selection", "n_query_rows", "cell_pos"})
+    SHARED = frozenset({"params", "n_layers", "n_head_kv", "set_mode"})
+
+    def __init__(self, native: SFINative, seq: int):
+        self.base, self.seq = native, seq
+        self.n_candidates = 0
+        self.selector: dict | None = None
+        self.refresh_layers = (1, 0)
+
+    def __getattr__(self, name: str):
+        if name in self.PER_SEQUENCE:
+            return functools.partial(getattr(self.base, name), seq=self.seq)
+        if name in self.SHARED:
+            return getattr(self.base, name)
+        raise AttributeError(f"SFISequence has no {name!r} (not a per-sequence call of SFINative)")
+
+    @property
+    def fell_back_dense(self) -> bool:
+        return bool(self.base.status(self.seq) & STATUS_FELL_BACK_DENSE)
+
+    def set_n_candidates(self, n_candidates: int) -> None:
+        self.n_candidates = n_candidates
+        self.base.set_n_candidates(n_candidates)
+
+    def set_selector(self, params: dict | None) -> None:
+        self.selector = params
+        self.base.set_selector(params)
+
+    def set_refresh_layers(self, n_groups: int, group: int) -> None:
+        self.refresh_layers = (n_groups, group)
+        self.base.set_refresh_layers(n_groups, group)

@@ -11,7 +11,8 @@ import pytest
 
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
-from sfi_gguf.native import SFINative
+from sfi_gguf.context import decode_one_per_sequence
+from sfi_gguf.native import SFINative, SFISequence
 from test_native import FLASH_ATTN, GGML_TYPE_F16, GGML_TYPE_Q8_0, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
 
 N_SEQ = 3
@@ -27,25 +28,23 @@ class MultiCtx(Ctx):
         self.n_past = [0] * n_seq
 
     def prefill(self, seq, tokens):
-        self._decode([(seq, t, self.n_past[seq] + i, i == len(tokens) - 1) for i, t in enumerate(tokens)])
+        b = self.batch
+        b.n_tokens = len(tokens)
+        for i, tok in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = int(tok), self.n_past[seq] + i, 1, seq
+            b.logits[i] = i == len(tokens) - 1
+        assert llama_cpp.llama_decode(self.ctx, b) == 0
         self.n_past[seq] += len(tokens)
 
     def step(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
         """One token for each sequence in `tokens` (seq -> token), in one llama_decode; logits per seq."""
         seqs = sorted(tokens)
-        self._decode([(s, tokens[s], self.n_past[s], True) for s in seqs])
+        assert decode_one_per_sequence(self.ctx, self.batch, [(s, self.n_past[s], int(tokens[s])) for s in seqs]) == 0
         out = {}
         for i, s in enumerate(seqs):
             self.n_past[s] += 1
             out[s] = self.logits(i)
         return out
-
-    def _decode(self, items):
-        b = self.batch
-        b.n_tokens = len(items)
-        for i, (seq, tok, pos, logits) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0], b.logits[i] = int(tok), pos, 1, seq, logits
-        assert llama_cpp.llama_decode(self.ctx, b) == 0
 
 
 def prefill_all(ctx: MultiCtx, model):
@@ -280,6 +279,34 @@ def test_cache_edit_invalidates_only_that_sequence(tiny):
         b.step({0: 4, 1: 4, 2: 4})  # a batch with an invalid view runs dense, and its views are stale
         assert sfi.fell_back_dense and not sfi.last_fast
         assert not any(sfi.status(s) & native.STATUS_VIEW_VALID for s in range(N_SEQ))
+    finally:
+        b.close()
+
+
+def test_sequence_view_acts_on_its_sequence(tiny):
+    """SFISequence: the per-sequence calls read and write its own sequence; the export settings it asks for
+    are kept per view; a call that would read sequence 0 is refused."""
+    b = MultiCtx(tiny)
+    try:
+        prefill_all(b, tiny)
+        sfi = SFINative(b.ctx, n_sel_max=256, n_tail_max=64)
+        views = [SFISequence(sfi, s) for s in range(N_SEQ)]
+        sfi.set_mode(SFINative.SLOW)
+        b.step({s: 4 for s in range(N_SEQ)})
+        for s, view in enumerate(views):
+            assert np.array_equal(view.cell_pos(), sfi.cell_pos(s))
+            assert np.array_equal(view.mass(), sfi.mass(s))
+            assert view.n_query_rows() == sfi.n_query_rows(s)
+        views[1].set_selection(np.broadcast_to(seq_cells(sfi, 1), (sfi.n_layers, sfi.n_head_kv, PROMPTS[1] + 1)))
+        valid = [bool(sfi.status(s) & native.STATUS_VIEW_VALID) for s in range(N_SEQ)]
+        assert valid == [False, True, False]
+        views[2].set_n_candidates(16)
+        views[2].set_refresh_layers(2, 1)
+        assert (views[2].n_candidates, views[2].refresh_layers) == (16, (2, 1))
+        assert (views[0].n_candidates, views[0].refresh_layers) == (0, (1, 0))
+        assert views[0].n_layers == sfi.n_layers and views[0].params == sfi.params
+        with pytest.raises(AttributeError):
+            views[1].view_valid  # noqa: B018  (SFINative's reads sequence 0)
     finally:
         b.close()
 
