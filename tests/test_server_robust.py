@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.random_model import random_model
+from sfi_gguf.tools.random_model import random_model
 from sfi_gguf.server import SFIServer
 
 BODY_TIMEOUT = 1.0
