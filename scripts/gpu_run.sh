@@ -8,7 +8,8 @@
 #   SFI_PROFILE_GROUPS, SFI_PROFILE_TOP, SFI_PROFILE_BATCH: sequences per step, e.g. 16 with SFI_CYCLE_CTX=32768),
 #   bench (SFI_BENCH_DEPTHS, SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
-#   op-tests (the SFI ggml ops against their CPU definition), selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
+#   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV),
+#   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),, selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
@@ -61,6 +62,22 @@ if [[ " $stages " == *" op-tests "* ]]; then
     log "SFI ggml ops on the GPU against their composite definition on the CPU"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_sfi_ops.py -k every_backend -s \
         2>&1 | tee "$OUT/gpu-op-tests.log" | grep -v "^ok " | tail -8
+    log "the SFI ops timed at a slow step's shape"
+    "$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" perf ${SFI_PERF_NKV:-32768 131328} \
+        2>&1 | tee -a "$OUT/gpu-op-perf.txt"
+fi
+if [[ " $stages " == *" trace "* ]]; then
+    log "kernel trace of refresh cycles (CUPTI: benchmarks/cupti_trace.c, cupti_steps.py; Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    for ctx in ${SFI_TRACE_CTX:-131072}; do
+        CUDA_INJECTION64_PATH=$PWD/.gpu/cupti/libsfi_cupti_trace.so SFI_CUPTI_TRACE=$OUT/trace-$ctx.csv \
+            python3 benchmarks/native_step_bench.py --model "$M" --ngl 99 --ctx $ctx --budget 2308 --steps 4 --cycle 15 \
+            --cycle-candidates 8192 --cycles 3 --json "$OUT/native_step-h200-cycle-$ctx-traced.json" 2>&1 | grep "cycle @\|dense @\|fast  @"
+        python3 benchmarks/cupti_steps.py "$OUT/trace-$ctx.csv" --tail ${SFI_TRACE_TAIL:-60} --top 30 \
+            --json "$OUT/trace-steps-h200-qwen3-4b-$ctx.json" > "$OUT/trace-steps-$ctx.txt"
+        rm -f "$OUT/trace-$ctx.csv"
+        tail -n +2 "$OUT/trace-steps-$ctx.txt" | head -150
+    done
 fi
 if [[ " $stages " == *" selector-tests "* ]]; then
     log "device Selector tests on the GPU (selections against the numpy reference)"

@@ -4,6 +4,7 @@
 #   .gpu/wheels      pure-Python wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf,
 #                    starlette, uvicorn)
 #   .gpu/vocab.gguf  the default model's tokenizer alone (random-weight benchmark models carry it)
+#   .gpu/cupti       libcupti (PyPI) and benchmarks/cupti_trace.c built against it, for gpu_run.sh's trace stage
 # Then scripts/gpu_run.sh runs there (build with CUDA, tests, benchmarks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +25,23 @@ CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolat
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0 \
     starlette==1.10.0 uvicorn==0.54.0   # the server's; its other needs (anyio, h11, click) are in the GPU image
 "$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
-git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: git rev-parse HEAD > .gpu/COMMIT
+# the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
+if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
+    mkdir -p .gpu/cupti "$tmp.cupti/x"
+    for w in "$tmp.cupti"/*.whl; do (cd "$tmp.cupti/x" && unzip -q -o "$w"); done
+    cp "$tmp.cupti/x/nvidia/cu13/lib/libcupti.so.13" .gpu/cupti/
+    gcc -shared -fPIC -O2 -I"$tmp.cupti/x/nvidia/cu13/include" benchmarks/cupti_trace.c -o .gpu/cupti/libsfi_cupti_trace.so \
+        -L.gpu/cupti -l:libcupti.so.13 -Wl,-rpath,'$ORIGIN'
+fi
+rm -rf "$tmp.cupti"
+git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: # the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
+if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
+    mkdir -p .gpu/cupti "$tmp.cupti/x"
+    for w in "$tmp.cupti"/*.whl; do (cd "$tmp.cupti/x" && unzip -q -o "$w"); done
+    cp "$tmp.cupti/x/nvidia/cu13/lib/libcupti.so.13" .gpu/cupti/
+    gcc -shared -fPIC -O2 -I"$tmp.cupti/x/nvidia/cu13/include" benchmarks/cupti_trace.c -o .gpu/cupti/libsfi_cupti_trace.so \
+        -L.gpu/cupti -l:libcupti.so.13 -Wl,-rpath,'$ORIGIN'
+fi
+rm -rf "$tmp.cupti"
+git rev-parse HEAD > .gpu/COMMIT
 du -sh .gpu .gpu/*

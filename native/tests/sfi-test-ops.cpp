@@ -2,6 +2,8 @@
 // they replace, computed on the CPU (whose products round the queries to the keys' vec_dot type, as its attention does). In the manner of llama.cpp's test-backend-ops: each case builds its
 // inputs once, runs the op on each backend that supports it and compares by normalised mean squared error.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
+// sfi-test-ops perf [n_kv ...] times the op instead, on each backend but the CPU, at a slow step's shape (a Qwen3-4B
+// cache: 36 layers, 8 KV heads of 128, 4 query heads each, F16 keys in the cache's layout)
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -11,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -193,7 +196,82 @@ static double nmse(const std::vector<float> & a, const std::vector<float> & ref)
     return norm > 0.0 ? err/norm : err;
 }
 
+// the op at a slow step's shape on backend, timed: milliseconds per op and the keys' bytes read per second
+static void perf(ggml_backend_t backend, int64_t n_kv) {
+    const int64_t D = 128, n_q = 4, n_head_kv = 8, nb = 36;
+
+    ggml_init_params ip = { ggml_tensor_overhead()*16 + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * q       = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head_kv, nb);
+    ggml_tensor * k_store = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_head_kv, n_kv, nb);
+    ggml_tensor * mask    = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);
+    ggml_tensor * out     = ggml_sfi_evidence(ctx, q, ggml_permute(ctx, k_store, 0, 2, 1, 3), mask, 1, 0.5f, 0.0f);
+
+    if (!ggml_backend_supports_op(backend, out)) {
+        ggml_free(ctx);
+        return;
+    }
+    ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+    if (!buf) {
+        printf("perf: %s cannot hold n_kv = %lld\n", ggml_backend_name(backend), (long long) n_kv);
+        ggml_free(ctx);
+        return;
+    }
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 0.3f);
+    std::vector<float> qv(ggml_nelements(q));
+    for (float & v : qv) {
+        v = normal(rng);
+    }
+    ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
+    ggml_backend_tensor_memset(k_store, 0x3a, 0, ggml_nbytes(k_store)); // every key element 0.7
+    ggml_backend_tensor_memset(mask, 0, 0, ggml_nbytes(mask));
+
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    for (int i = 0; i < 3; ++i) {
+        ggml_backend_graph_compute(backend, gf);
+    }
+    const int n_iter = 20;
+    const int64_t t0 = ggml_time_us();
+    for (int i = 0; i < n_iter; ++i) {
+        ggml_backend_graph_compute(backend, gf);
+    }
+    ggml_backend_synchronize(backend);
+    const double ms = (ggml_time_us() - t0)/1000.0/n_iter;
+    printf("perf %s: sfi_evidence n_kv %lld x %lld heads x %lld layers, %lld query rows: %.3f ms, keys at %.0f GB/s\n",
+            ggml_backend_name(backend), (long long) n_kv, (long long) n_head_kv, (long long) nb, (long long) n_q, ms,
+            ggml_nbytes(k_store)/(ms*1e6));
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
 int main(int argc, char ** argv) {
+    if (argc > 1 && strcmp(argv[1], "perf") == 0) {
+        ggml_time_init();
+        std::vector<int64_t> n_kvs;
+        for (int i = 2; i < argc; ++i) {
+            n_kvs.push_back(atoll(argv[i]));
+        }
+        if (n_kvs.empty()) {
+            n_kvs = { 32768, 131328 };
+        }
+        for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
+            ggml_backend_dev_t dev = ggml_backend_dev_get(i);
+            if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+                continue;
+            }
+            if (ggml_backend_t b = ggml_backend_dev_init(dev, nullptr)) {
+                for (int64_t n_kv : n_kvs) {
+                    perf(b, n_kv);
+                }
+                ggml_backend_free(b);
+            }
+        }
+        return 0;
+    }
+
     const bool verbose = argc > 1 && strcmp(argv[1], "-v") == 0;
 
     std::vector<evidence_case> cases;

@@ -1,16 +1,18 @@
 // SFI ops (see ggml-sfi.h) on CUDA
 //
 // ggml_sfi_evidence in three kernels per chunk of (head, batch) pairs:
-//   scores:    each key read once, by 8 lanes, against every query row of its head (the rows in shared memory)
-//   row stats: per query row the max of its scores and sum^-alpha of their exponentials
+//   scores:    one thread per cell reads its key once (16-byte loads, a row of the query group at a time from shared
+//              memory, where every thread reads the same address), writes the scores, and the block's max and sum of
+//              exp(s - max) per query row
+//   row stats: per query row its max and sum^-alpha, merged from the blocks'
 //   evidence:  per cell the sum over the rows of exp(alpha*(s - max))*sum^-alpha = p^alpha
-// The scores of a chunk live in a pool buffer of at most SFI_SCORES_MAX_BYTES.
+// The scores of a chunk live in a pool buffer of at most SFI_SCORES_MAX_BYTES. The slow step reads the whole K cache
+// here, so the scores kernel is made to keep enough loads in flight to run at the memory's speed.
 
 #include "sfi-ops.cuh"
 
-static constexpr int    SFI_LANES_PER_CELL    = 8;
-static constexpr int    SFI_SCORES_THREADS    = 128;
-static constexpr int    SFI_CELLS_PER_BLOCK   = 256;
+static constexpr int    SFI_CELLS_PER_BLOCK   = 256; // threads of a scores block, one cell each
+static constexpr int    SFI_ROWS_PER_PASS     = 8;   // query rows a thread accumulates at a time
 static constexpr int    SFI_ROW_THREADS       = 256;
 static constexpr int    SFI_EVIDENCE_THREADS  = 256;
 static constexpr size_t SFI_Q_SHARED_MAX      = 48*1024;
@@ -21,124 +23,151 @@ static __device__ __forceinline__ float sfi_to_float(T x);
 template <> __device__ __forceinline__ float sfi_to_float<half>(half x)   { return __half2float(x); }
 template <> __device__ __forceinline__ float sfi_to_float<float>(float x) { return x; }
 
+// the block's max of v (every thread gets it); buf holds a value per warp
+static __device__ __forceinline__ float sfi_block_max(float v, float * buf) {
+    v = warp_reduce_max(v);
+    __syncthreads();
+    if (threadIdx.x % WARP_SIZE == 0) {
+        buf[threadIdx.x / WARP_SIZE] = v;
+    }
+    __syncthreads();
+    v = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : -INFINITY;
+    return warp_reduce_max(v);
+}
+
+static __device__ __forceinline__ float sfi_block_sum(float v, float * buf) {
+    v = warp_reduce_sum(v);
+    __syncthreads();
+    if (threadIdx.x % WARP_SIZE == 0) {
+        buf[threadIdx.x / WARP_SIZE] = v;
+    }
+    __syncthreads();
+    v = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : 0.0f;
+    return warp_reduce_sum(v);
+}
+
+// the scores of the rows j0 .. j0 + n_qc - 1 of n_q (as many as shared memory holds) for the block's cells, and per
+// row the block's (max, sum of exp(s - max)) in parts[(pair*n_blocks + block)*n_q + j]
 template <int D, typename TM>
-static __global__ void sfi_evidence_scores(
-        const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask, float * __restrict__ scores,
+static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_scores(
+        const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
+        float * __restrict__ scores, float2 * __restrict__ parts,
         const int n_q, const int j0, const int n_qc, const int n_rows, const int n_kv, const int n_head_kv, const int b0, const int nm,
         const float softcap,
         const size_t nbq1, const size_t nbq2, const size_t nbq3,
         const size_t nbk1, const size_t nbk2, const size_t nbk3,
         const size_t nbm0, const size_t nbm1, const size_t nbm3) {
-    // the rows j0 .. j0 + n_qc - 1 of n_q (as many as shared memory holds)
-    // lane l of a cell's 8 takes the element pairs l, l + 8, l + 16, ... of the key: the 8 lanes read 32 contiguous
-    // bytes at a time, and their reads of a query row from shared memory fall in distinct banks
-    constexpr int PPL      = D/(2*SFI_LANES_PER_CELL); // element pairs per lane
-    constexpr int N_GROUPS = SFI_SCORES_THREADS/SFI_LANES_PER_CELL;
+    constexpr int CHUNKS = D/8; // 16-byte loads of a key
 
-    extern __shared__ float2 q_s[]; // [n_qc][D/2]
+    extern __shared__ float q_s[]; // [n_qc][D]
+    __shared__ float buf[WARP_SIZE];
 
     const int h  = blockIdx.y;
     const int bl = blockIdx.z;
     const int b  = b0 + bl;
 
-    for (int i = threadIdx.x; i < n_qc*D/2; i += blockDim.x) {
-        const int j = j0 + i / (D/2);
-        const int d = i % (D/2);
+    for (int i = threadIdx.x; i < n_qc*D; i += blockDim.x) {
+        const int j = j0 + i / D;
+        const int d = i % D;
         // rounded to F16, as the attention's and cuBLAS's products of F16 keys round them
-        const float2 v = *(const float2 *) (q + j*nbq1 + h*nbq2 + b*nbq3 + d*sizeof(float2));
-        q_s[i] = __half22float2(__float22half2_rn(v));
+        q_s[i] = __half2float(__float2half_rn(*(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + d*sizeof(float))));
     }
     __syncthreads();
 
-    const int group = threadIdx.x / SFI_LANES_PER_CELL;
-    const int lane  = threadIdx.x % SFI_LANES_PER_CELL;
+    const int  c     = blockIdx.x*SFI_CELLS_PER_BLOCK + threadIdx.x;
+    const bool valid = c < n_kv;
 
-    const int c0 = blockIdx.x*SFI_CELLS_PER_BLOCK;
-    const int c1 = min(c0 + SFI_CELLS_PER_BLOCK, n_kv);
+    const uint4 * kc = (const uint4 *) (k + (size_t) (valid ? c : 0)*nbk1 + h*nbk2 + b*nbk3);
 
-    float * s_out = scores + (size_t) (bl*n_head_kv + h)*n_q*n_kv;
+    const size_t pair = (size_t) bl*n_head_kv + h;
 
+    float * s_out = scores + pair*n_q*n_kv;
     const char * m_base = mask + (b % nm)*nbm3;
 
-    // every lane runs every iteration (the shuffles take the whole warp), cells past the end compute on zeros
-    for (int cb = c0; cb < c1; cb += N_GROUPS) {
-        const int  c     = cb + group;
-        const bool valid = c < c1;
+    for (int r0 = 0; r0 < n_qc; r0 += SFI_ROWS_PER_PASS) {
+        const int nr = min(SFI_ROWS_PER_PASS, n_qc - r0);
 
-        float2 kf[PPL];
-        if (valid) {
-            const half2 * kc = (const half2 *) (k + c*nbk1 + h*nbk2 + b*nbk3);
+        float acc[SFI_ROWS_PER_PASS] = { 0.0f };
+
 #pragma unroll
-            for (int e = 0; e < PPL; ++e) {
-                kf[e] = __half22float2(kc[lane + e*SFI_LANES_PER_CELL]);
+        for (int ch0 = 0; ch0 < CHUNKS; ch0 += 8) {
+            // eight 16-byte loads in flight per thread
+            uint4 kv[8];
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+                kv[e] = valid ? kc[ch0 + e] : make_uint4(0, 0, 0, 0);
             }
-        } else {
 #pragma unroll
-            for (int e = 0; e < PPL; ++e) {
-                kf[e] = make_float2(0.0f, 0.0f);
+            for (int e = 0; e < 8; ++e) {
+                const half2 * k2 = (const half2 *) &kv[e];
+                const float2 k01 = __half22float2(k2[0]);
+                const float2 k23 = __half22float2(k2[1]);
+                const float2 k45 = __half22float2(k2[2]);
+                const float2 k67 = __half22float2(k2[3]);
+#pragma unroll
+                for (int r = 0; r < SFI_ROWS_PER_PASS; ++r) {
+                    if (r < nr) {
+                        const float4 * qr = (const float4 *) (q_s + (r0 + r)*D + (ch0 + e)*8);
+                        const float4 qa = qr[0];
+                        const float4 qb = qr[1];
+                        acc[r] += qa.x*k01.x + qa.y*k01.y + qa.z*k23.x + qa.w*k23.y
+                                + qb.x*k45.x + qb.y*k45.y + qb.z*k67.x + qb.w*k67.y;
+                    }
+                }
             }
         }
 
-        for (int j = j0; j < j0 + n_qc; ++j) {
-            const float2 * qj = q_s + (j - j0)*(D/2) + lane;
-            float s = 0.0f;
 #pragma unroll
-            for (int e = 0; e < PPL; ++e) {
-                const float2 qv = qj[e*SFI_LANES_PER_CELL];
-                s += qv.x*kf[e].x + qv.y*kf[e].y;
+        for (int r = 0; r < SFI_ROWS_PER_PASS; ++r) {
+            if (r >= nr) {
+                break;
             }
-#pragma unroll
-            for (int o = SFI_LANES_PER_CELL/2; o > 0; o >>= 1) {
-                s += __shfl_xor_sync(0xffffffff, s, o, SFI_LANES_PER_CELL);
-            }
-            if (lane == 0 && valid) {
-                if (softcap > 0.0f) {
-                    s = softcap*tanhf(s);
-                }
+            const int j = j0 + r0 + r;
+            float s = -INFINITY;
+            if (valid) {
+                s = softcap > 0.0f ? softcap*tanhf(acc[r]) : acc[r];
                 s += sfi_to_float(*(const TM *) (m_base + c*nbm0 + (j % n_rows)*nbm1));
                 s_out[(size_t) j*n_kv + c] = s;
+            }
+            const float m = sfi_block_max(s, buf);
+            const float e = sfi_block_sum(m == -INFINITY ? 0.0f : expf(s - m), buf);
+            if (threadIdx.x == 0) {
+                parts[(pair*gridDim.x + blockIdx.x)*n_q + j] = make_float2(m, e);
             }
         }
     }
 }
 
-// per row (j, h, bl): its max and sum^-alpha of exp(s - max); max -INFINITY for a row whose cells are all excluded
-static __global__ void sfi_evidence_row_stats(const float * __restrict__ scores, float2 * __restrict__ stats, const int n_kv, const float alpha) {
-    const size_t  row = blockIdx.x + (size_t) gridDim.x*(blockIdx.y + (size_t) gridDim.y*blockIdx.z);
-    const float * s   = scores + row*n_kv;
+// per row (j, h, bl): its max and sum^-alpha of exp(s - max), merged from the n_parts blocks' (max, sum); max
+// -INFINITY for a row whose cells are all excluded
+static __global__ void sfi_evidence_row_stats(const float2 * __restrict__ parts, float2 * __restrict__ stats,
+        const int n_q, const int n_parts, const float alpha) {
+    const int    j    = blockIdx.x;
+    const size_t pair = blockIdx.y + (size_t) gridDim.y*blockIdx.z;
+
+    const float2 * p = parts + pair*n_parts*n_q + j;
 
     __shared__ float buf[WARP_SIZE];
 
     float max = -INFINITY;
-    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) {
-        max = fmaxf(max, s[c]);
+    for (int i = threadIdx.x; i < n_parts; i += blockDim.x) {
+        max = fmaxf(max, p[(size_t) i*n_q].x);
     }
-    max = warp_reduce_max(max);
-    if (threadIdx.x % WARP_SIZE == 0) {
-        buf[threadIdx.x / WARP_SIZE] = max;
-    }
-    __syncthreads();
-    // every warp reduces the warps' maxima, so that every thread holds the block's
-    max = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : -INFINITY;
-    max = warp_reduce_max(max);
-    __syncthreads();
+    max = sfi_block_max(max, buf);
 
     float sum = 0.0f;
     if (max != -INFINITY) {
-        for (int c = threadIdx.x; c < n_kv; c += blockDim.x) {
-            sum += expf(s[c] - max);
+        for (int i = threadIdx.x; i < n_parts; i += blockDim.x) {
+            const float2 part = p[(size_t) i*n_q];
+            if (part.x != -INFINITY) {
+                sum += part.y*expf(part.x - max);
+            }
         }
     }
-    sum = warp_reduce_sum(sum);
-    if (threadIdx.x % WARP_SIZE == 0) {
-        buf[threadIdx.x / WARP_SIZE] = sum;
-    }
-    __syncthreads();
-    sum = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : 0.0f;
-    sum = warp_reduce_sum(sum);
+    sum = sfi_block_sum(sum, buf);
 
     if (threadIdx.x == 0) {
-        stats[row] = make_float2(max, max == -INFINITY ? 0.0f : powf(sum, -alpha));
+        stats[pair*n_q + j] = make_float2(max, max == -INFINITY ? 0.0f : powf(sum, -alpha));
     }
 }
 
@@ -183,15 +212,15 @@ bool ggml_cuda_sfi_evidence_supported(const ggml_tensor * op) {
     if (mask->type != GGML_TYPE_F16 && mask->type != GGML_TYPE_F32) {
         return false;
     }
-    // keys are read as half2, queries as float2
-    if (k->nb[1] % 4 || k->nb[2] % 4 || k->nb[3] % 4 || k->view_offs % 4 || q->nb[1] % 8 || q->nb[2] % 8 || q->nb[3] % 8) {
+    // keys are read 16 bytes at a time
+    if (k->nb[1] % 16 || k->nb[2] % 16 || k->nb[3] % 16 || k->view_offs % 16 || q->nb[1] % 4 || q->nb[2] % 4 || q->nb[3] % 4) {
         return false;
     }
     return k->ne[1] <= INT32_MAX/2;
 }
 
 template <int D>
-static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, int b0, int nbl, cudaStream_t stream) {
+static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, float2 * parts, int b0, int nbl, cudaStream_t stream) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
     const ggml_tensor * mask = dst->src[2];
@@ -213,13 +242,13 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
         const int    n_qc = std::min(n_q_chunk, n_q - j0);
         const size_t smem = (size_t) n_qc*D*sizeof(float);
         if (mask->type == GGML_TYPE_F16) {
-            sfi_evidence_scores<D, half><<<grid, SFI_SCORES_THREADS, smem, stream>>>(
-                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores,
+            sfi_evidence_scores<D, half><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
+                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         } else {
-            sfi_evidence_scores<D, float><<<grid, SFI_SCORES_THREADS, smem, stream>>>(
-                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores,
+            sfi_evidence_scores<D, float><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
+                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         }
@@ -241,6 +270,8 @@ void ggml_cuda_op_sfi_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int64_t n_head_kv = k->ne[2];
     const int64_t nb        = k->ne[3];
 
+    const int64_t n_parts = (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK; // scores blocks per pair
+
     cudaStream_t stream = ctx.stream();
 
     // (head, batch) pairs a chunk holds the scores of
@@ -248,20 +279,22 @@ void ggml_cuda_op_sfi_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     const int64_t nbl_max    = std::max<int64_t>(1, std::min<int64_t>(nb, SFI_SCORES_MAX_BYTES/(pair_bytes*n_head_kv)));
 
     ggml_cuda_pool_alloc<float>  scores(ctx.pool(), (size_t) nbl_max*n_head_kv*n_q*n_kv);
+    ggml_cuda_pool_alloc<float2> parts (ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q);
     ggml_cuda_pool_alloc<float2> stats (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q);
 
     for (int64_t b0 = 0; b0 < nb; b0 += nbl_max) {
         const int nbl = (int) std::min<int64_t>(nbl_max, nb - b0);
 
         switch (D) {
-            case  64: sfi_evidence_scores_launch< 64>(dst, scores.get(), b0, nbl, stream); break;
-            case 128: sfi_evidence_scores_launch<128>(dst, scores.get(), b0, nbl, stream); break;
-            case 256: sfi_evidence_scores_launch<256>(dst, scores.get(), b0, nbl, stream); break;
+            case  64: sfi_evidence_scores_launch< 64>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
+            case 128: sfi_evidence_scores_launch<128>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
+            case 256: sfi_evidence_scores_launch<256>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
             default: GGML_ABORT("unsupported head size");
         }
         CUDA_CHECK(cudaGetLastError());
 
-        sfi_evidence_row_stats<<<dim3(n_q, n_head_kv, nbl), SFI_ROW_THREADS, 0, stream>>>(scores.get(), stats.get(), n_kv, alpha);
+        sfi_evidence_row_stats<<<dim3(n_q, n_head_kv, nbl), SFI_ROW_THREADS, 0, stream>>>(
+            parts.get(), stats.get(), n_q, n_parts, alpha);
 
         const dim3 grid((n_kv + SFI_EVIDENCE_THREADS - 1)/SFI_EVIDENCE_THREADS, n_head_kv, nbl);
         sfi_evidence_sum<<<grid, SFI_EVIDENCE_THREADS, n_q*sizeof(float2), stream>>>(
