@@ -2,8 +2,9 @@
 """Cut a kernel trace (benchmarks/cupti_trace.c) into decode steps and say where each step's GPU time goes.
 
 A decode step ends with the device-to-host copy of its logits (n_vocab floats), so the kernels between two such
-copies are one step. For the last --tail steps it prints the step's span (first kernel start to the logits copy's
-end), its kernels' summed time and the idle time in between; for each kind of step (grouped by kernel count) the
+copies are one step. For the last --tail steps it prints the time from the previous step's logits to the step's first
+kernel (host work: the step's graph, its inputs), the step's span (first kernel start to the logits copy's end), its
+kernels' summed time (more than the span where kernels overlap), how many ran inside a CUDA graph, and the last kernel's end to the copy's end; for each kind of step (grouped by kernel count) the
 kernels summed by name, the costliest first.
 
     python benchmarks/cupti_steps.py trace.csv --n-vocab 151936 --tail 40 --json steps.json
@@ -45,7 +46,7 @@ def main() -> None:
         for row in csv.DictReader(f):
             start, end = int(row["start_ns"]), int(row["end_ns"])
             if row["kind"] == "K":
-                kernels.append((start, end, short_name(row["name"])))
+                kernels.append((start, end, short_name(row["name"]), row["graph"] != "0"))
             elif row["name"] == f"kind2_{args.n_vocab*4}":  # device to host, the logits
                 ends.append(end)
     kernels.sort()
@@ -59,26 +60,29 @@ def main() -> None:
             if kernels[k][0] >= prev_end:
                 ks.append(kernels[k])
             k += 1
-        prev_end = e
         if ks:
-            steps.append((ks, e))
+            steps.append((ks, e, prev_end))
+        prev_end = e
     steps = steps[-args.tail:]
 
     out = {"steps": [], "kinds": {}}
     by_kind = defaultdict(list)
-    print(f"{'step':>4} {'kernels':>7} {'span ms':>8} {'busy ms':>8} {'idle ms':>8}")
-    for i, (ks, e) in enumerate(steps):
+    print(f"{'step':>4} {'kernels':>7} {'in graph':>8} {'before ms':>9} {'span ms':>8} {'busy ms':>8} {'after ms':>8}")
+    for i, (ks, e, prev) in enumerate(steps):
+        before = (ks[0][0] - prev)/1e6 if prev else float("nan")
         span = (e - ks[0][0])/1e6
-        busy = sum(b - a for a, b, _ in ks)/1e6
-        print(f"{i:>4} {len(ks):>7} {span:>8.3f} {busy:>8.3f} {span - busy:>8.3f}")
-        out["steps"].append({"kernels": len(ks), "span_ms": span, "busy_ms": busy})
+        busy = sum(k[1] - k[0] for k in ks)/1e6
+        after = (e - max(k[1] for k in ks))/1e6
+        in_graph = sum(k[3] for k in ks)
+        print(f"{i:>4} {len(ks):>7} {in_graph:>8} {before:>9.3f} {span:>8.3f} {busy:>8.3f} {after:>8.3f}")
+        out["steps"].append({"kernels": len(ks), "in_cuda_graph": in_graph, "before_ms": before, "span_ms": span, "busy_ms": busy, "after_ms": after})
         by_kind[len(ks)].append(ks)
 
     for n, group in sorted(by_kind.items(), key=lambda kv: -kv[0]):
         sums = defaultdict(float)
         counts = defaultdict(int)
         for ks in group:
-            for a, b, name in ks:
+            for a, b, name, _ in ks:
                 sums[name] += (b - a)/1e6/len(group)
                 counts[name] += 1
         total = sum(sums.values())

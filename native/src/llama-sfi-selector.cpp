@@ -67,6 +67,16 @@ static bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * s
     return ggml_backend_dev_supports_op(dev, op);
 }
 
+// the indices of the k best of each row of a, as ggml_sfi_top_k (a selection) where the backend of storage has it, else
+// by ggml's top-k ops (the best first)
+static ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage) {
+    ggml_tensor * t = ggml_sfi_top_k(ctx, a, k);
+    if (llama_sfi_backend_runs(t, storage)) {
+        return t;
+    }
+    return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
+}
+
 // the evidence [n_kv, 1, n_head_kv, n*ns] of n layers as ggml_sfi_evidence ops: qs[l] the layers' scaled queries
 // [n_embd_head, n_q, n_head_kv, ns], k4 the keys of all n as [n_embd_head, n_kv, n_head_kv, n] (one op; ns 1) or
 // nullptr, ks[l] then each layer's [n_embd_head, n_head_kv, n_kv, ns] (one op per layer); nullptr when the backend of
@@ -104,7 +114,8 @@ static ggml_tensor * llama_sfi_selector_evidence_fused(
 // multiprocessors of a GPU
 //   evid [n_kv, 1, n_head_kv, n*ns] (sum_r p_r^alpha, llama_sfi_selector_evidence), kns[l] the layers' key norms
 //   [n_head_kv, kv_size, ns] (llama_sfi_layer_export::kn)
-//   returns the candidate cells I32 [n_cand, n*ns] and the picks I32 [k_head, n_head_kv, n*ns] (indices into them)
+//   returns the candidate cells I32 [n_cand, n*ns] and the picks I32 [k_head, n_head_kv, n*ns] (indices into them),
+//   both chosen by a selection where the backend of the keys (storage) has ggml_sfi_top_k
 static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         ggml_context * ctx,
         const llama_sfi_view & view,
@@ -112,7 +123,8 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
          ggml_tensor * evid,
         const std::vector<ggml_tensor *> & kns,
              int64_t   n_cand,
-             int64_t   n_rows) {
+             int64_t   n_rows,
+        const ggml_tensor * storage) {
     const auto & sp = view.selector;
 
     const int64_t n_kv      = evid->ne[0];
@@ -145,7 +157,7 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     // candidates: the most f summed over the heads (each head normalised: every head has its say), summed by
     // halving (a sum_rows over rows of n_head_kv values runs one CUDA block per cell)
     ggml_tensor * score = ggml_add(ctx, ggml_reshape_2d(ctx, llama_sfi_group_sum(ctx, f, 1), n_kv, nb), ggml_reshape_2d(ctx, mask, n_kv, ns));
-    ggml_tensor * cells = ggml_top_k(ctx, score, n_cand); // [n_cand, nb]
+    ggml_tensor * cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage); // [n_cand, nb]
 
     // one gather of every value the Selector reads per candidate, f of each head, its relative position u and
     // the range mask: a gather of one-value rows costs about as much as one of ten
@@ -194,10 +206,10 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         sc = ggml_add(ctx, sc, ggml_scale(ctx, ggml_cont(ctx, ggml_transpose(ctx, ggml_log(ctx, heads))), sp.cross_head_alpha));
     }
 
-    // the k_head best per (head, pair): one sort per row (a row loop of top-k calls costs more on CUDA)
+    // the k_head best per (head, pair), all rows in one op
     ggml_set_name(sc, "sfi_sel_score");
 
-    return { cells, ggml_cont(ctx, ggml_argsort_top_k(ctx, sc, sp.k_head)) };
+    return { cells, llama_sfi_top_k(ctx, sc, sp.k_head, true, storage) };
 }
 
 void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
@@ -290,7 +302,8 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
             evid = llama_sfi_selector_evidence(ex, last - first, q0->ne[1]*q0->ne[2]*q0->ne[3], scores, sinks_run, h);
         }
 
-        const auto [cells, picks] = llama_sfi_selector_picks(ctx, view, ex.inp, evid, kns, ex.n_cand, ex.n_rows*(ex.n_head/ex.n_head_kv));
+        const auto [cells, picks] = llama_sfi_selector_picks(ctx, view, ex.inp, evid, kns, ex.n_cand, ex.n_rows*(ex.n_head/ex.n_head_kv),
+                view.cache_k_of(view.layers[refreshed[first]].il));
 
         for (ggml_tensor * t : { cells, picks }) {
             ggml_format_name(t, "%s-%zu", t == cells ? "sfi_cells" : "sfi_sel", refreshed[first]);

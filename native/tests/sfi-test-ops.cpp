@@ -1,6 +1,8 @@
-// sfi-test-ops: the SFI ggml ops (ggml-sfi.h) on every backend against their definition, the composite ggml ops
-// they replace, computed on the CPU (whose products round the queries to the keys' vec_dot type, as its attention does). In the manner of llama.cpp's test-backend-ops: each case builds its
-// inputs once, runs the op on each backend that supports it and compares by normalised mean squared error.
+// sfi-test-ops: the SFI ggml ops (ggml-sfi.h) on every backend against their definition, in the manner of llama.cpp's
+// test-backend-ops: each case builds its inputs once and runs the op on each backend that supports it.
+// ggml_sfi_evidence is compared by normalised mean squared error with the composite ggml ops it replaces, computed on
+// the CPU (whose products round the queries to the keys' vec_dot type, as its attention does); ggml_sfi_top_k's
+// indices must equal those of a sort by value and index exactly.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
 // sfi-test-ops perf [n_kv ...] times the op instead, on each backend but the CPU, at a slow step's shape (a Qwen3-4B
 // cache: 36 layers, 8 KV heads of 128, 4 query heads each, F16 keys in the cache's layout)
@@ -11,6 +13,7 @@
 #include "ggml-cpu.h"
 #include "ggml-sfi.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -247,6 +250,99 @@ static void perf(ggml_backend_t backend, int64_t n_kv) {
     ggml_free(ctx);
 }
 
+// ggml_sfi_top_k: every backend's indices must equal the definition's exactly (a brute-force sort by value, then index)
+struct top_k_case {
+    int64_t n;
+    int64_t k;
+    int64_t n_rows;
+    int     levels; // values drawn from this many levels (ties), 0: continuous
+
+    std::string name() const {
+        char buf[128];
+        snprintf(buf, sizeof(buf), "sfi_top_k(n=%lld,k=%lld,rows=%lld,levels=%d)", (long long) n, (long long) k, (long long) n_rows, levels);
+        return buf;
+    }
+};
+
+static std::vector<int32_t> run_top_k(ggml_backend_t backend, const top_k_case & tc, const std::vector<float> & x, bool * supported) {
+    ggml_init_params ip = { ggml_tensor_overhead()*8 + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * a   = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, tc.n, tc.n_rows);
+    ggml_tensor * out = ggml_sfi_top_k(ctx, a, (int) tc.k);
+
+    *supported = ggml_backend_supports_op(backend, out);
+    std::vector<int32_t> result;
+    if (*supported) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+        ggml_backend_tensor_set(a, x.data(), 0, ggml_nbytes(a));
+        ggml_cgraph * gf = ggml_new_graph(ctx);
+        ggml_build_forward_expand(gf, out);
+        GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+        result.resize(ggml_nelements(out));
+        ggml_backend_tensor_get(out, result.data(), 0, ggml_nbytes(out));
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(ctx);
+    return result;
+}
+
+static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
+    const std::vector<top_k_case> cases = {
+        { 1, 1, 3, 0 }, { 7, 3, 5, 0 }, { 1000, 1, 4, 0 }, { 1000, 1000, 2, 0 }, { 1000, 999, 2, 5 },
+        { 8192, 2048, 288, 0 },       // a slow step's picks: k_head of the candidates, per (head, layer)
+        { 8192, 2048, 20, 3 },        // many ties at the cut
+        { 131328, 8192, 36, 0 },      // a slow step's candidates at 128K cells, per layer
+        { 131328, 8192, 4, 40 },      // ... with plateaus
+        { 70001, 4097, 3, 0 },        // odd sizes
+        { 9000, 100, 2, 1 },          // every value equal: the lowest indices
+    };
+    std::mt19937 rng(99);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    int n_failed = 0;
+    for (const top_k_case & tc : cases) {
+        std::vector<float> x(tc.n*tc.n_rows);
+        std::uniform_int_distribution<int> level(0, std::max(0, tc.levels - 1));
+        for (size_t i = 0; i < x.size(); ++i) {
+            x[i] = tc.levels > 0 ? (float) level(rng) : normal(rng);
+            if (i % 13 == 4) {
+                x[i] = -INFINITY; // excluded cells
+            } else if (i % 29 == 7) {
+                x[i] = tc.levels > 0 ? -0.0f : x[i]; // -0 ties +0
+            }
+        }
+        // the definition
+        std::vector<int32_t> ref(tc.k*tc.n_rows);
+        for (int64_t r = 0; r < tc.n_rows; ++r) {
+            const float * xr = x.data() + r*tc.n;
+            std::vector<int32_t> idx(tc.n);
+            for (int64_t i = 0; i < tc.n; ++i) {
+                idx[i] = (int32_t) i;
+            }
+            std::stable_sort(idx.begin(), idx.end(), [xr](int32_t i, int32_t j) { return xr[i] > xr[j]; });
+            std::sort(idx.begin(), idx.begin() + tc.k);
+            std::copy(idx.begin(), idx.begin() + tc.k, ref.begin() + r*tc.k);
+        }
+        for (ggml_backend_t backend : backends) {
+            bool supported = false;
+            const std::vector<int32_t> got = run_top_k(backend, tc, x, &supported);
+            if (!supported) {
+                if (verbose) {
+                    printf("skip %s on %s: not supported\n", tc.name().c_str(), ggml_backend_name(backend));
+                }
+                continue;
+            }
+            const bool ok = got == ref;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s\n", ok ? "ok  " : "FAIL", tc.name().c_str(), ggml_backend_name(backend));
+            }
+        }
+    }
+    return n_failed;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
@@ -337,6 +433,8 @@ int main(int argc, char ** argv) {
             }
         }
     }
+    n_failed += test_top_k(backends, verbose, &n_run);
+
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 
     for (ggml_backend_t b : backends) {

@@ -30,6 +30,16 @@ extern "C" {
             float                 alpha,
             float                 softcap);
 
+    // The indices of the k largest values of each row of a, in increasing order of index; of the values equal to the
+    // k-th largest, those of the lowest indices. A selection (radix select on CUDA), not a sort.
+    //
+    // a:   F32 [n, ne1, ne2, ne3], rows contiguous, no NaN (-0 and +0 are one value)
+    // res: I32 [k, ne1, ne2, ne3], 0 < k <= n
+    GGML_API struct ggml_tensor * ggml_sfi_top_k(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * a,
+            int                   k);
+
 #ifdef  __cplusplus
 }
 #endif

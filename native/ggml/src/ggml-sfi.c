@@ -34,3 +34,19 @@ struct ggml_tensor * ggml_sfi_evidence(
 
     return result;
 }
+
+struct ggml_tensor * ggml_sfi_top_k(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * a,
+        int                   k) {
+    GGML_ASSERT(a->type == GGML_TYPE_F32);
+    GGML_ASSERT(a->nb[0] == sizeof(float) && a->nb[1] == a->ne[0]*sizeof(float));
+    GGML_ASSERT(k > 0 && k <= a->ne[0]);
+
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_I32, k, a->ne[1], a->ne[2], a->ne[3]);
+
+    result->op     = GGML_OP_SFI_TOP_K;
+    result->src[0] = a;
+
+    return result;
+}

@@ -24,6 +24,8 @@ size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
     switch (node->op) {
         case GGML_OP_SFI_EVIDENCE:
             return sfi_evidence_bytes_per_thread(node)*n_tasks;
+        case GGML_OP_SFI_TOP_K:
+            return GGML_PAD(sizeof(int32_t)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks; // a row's indices
         default:
             return 0;
     }
@@ -115,5 +117,36 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
                 evid[c] += expf(alpha*(sj[c] - max))*scale;
             }
         }
+    }
+}
+
+// rows split over the threads; per row the k best indices by a partial selection, then put in increasing order
+void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * a = dst->src[0];
+
+    const int64_t n      = a->ne[0];
+    const int64_t k      = dst->ne[0];
+    const int64_t n_rows = ggml_nrows(a);
+
+    GGML_ASSERT(a->type == GGML_TYPE_F32 && dst->type == GGML_TYPE_I32 && ggml_is_contiguous(dst));
+
+    int32_t * idx = (int32_t *) ((char *) params->wdata + params->ith*GGML_PAD(sizeof(int32_t)*n, CACHE_LINE_SIZE));
+
+    for (int64_t r = params->ith; r < n_rows; r += params->nth) {
+        const int64_t i1 = r % a->ne[1];
+        const int64_t i2 = (r / a->ne[1]) % a->ne[2];
+        const int64_t i3 = r / (a->ne[1]*a->ne[2]);
+
+        const float * x = (const float *) ((const char *) a->data + i1*a->nb[1] + i2*a->nb[2] + i3*a->nb[3]);
+
+        for (int64_t i = 0; i < n; ++i) {
+            idx[i] = (int32_t) i;
+        }
+        // the larger value first, the lower index among equal ones (-0 == +0)
+        auto better = [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); };
+        std::nth_element(idx, idx + k - 1, idx + n, better);
+        std::sort(idx, idx + k);
+
+        memcpy((char *) dst->data + r*dst->nb[1], idx, k*sizeof(int32_t));
     }
 }
