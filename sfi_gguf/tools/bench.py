@@ -75,10 +75,8 @@ class BenchRow:
 
 
 def config_overrides(config: SFIConfig) -> dict:
-    """The fields of `config` that differ from `SFIConfig()`'s: {} for a run with the defaults."""
-    default = SFIConfig()
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(SFIConfig)
-            if getattr(config, f.name) != getattr(default, f.name)}
+    """The fields and parameters of `config` that differ from `SFIConfig()`'s: {} for a run with the defaults."""
+    return config.overrides()
 
 
 def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
@@ -394,7 +392,7 @@ def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
 # -- command line ----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..policy import POLICIES
+    from ..policy import POLICIES, PunctuationParams
     from .random_model import SHAPES, WEIGHT_TYPES
 
     p = argparse.ArgumentParser(
@@ -423,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="selected cells per KV head (default: SFIConfig's, 2048 from 8K cells on)")
     p.add_argument("--n-sink", type=int, default=SFIConfig.n_sink)
     p.add_argument("--n-recent", type=int, default=SFIConfig.n_recent)
-    p.add_argument("--policy", default=SFIConfig.policy, choices=[n for n in POLICIES if n != "dense"])
+    p.add_argument("--policy", default=SFIConfig.policy, choices=[n for n in POLICIES if not SFIConfig(policy=n).dense])
     p.add_argument("--selection-delay", type=int, default=SFIConfig.selection_delay,
                    help="fast steps until a new selection is loaded, the Selector running in the background "
                         "meanwhile (default 0; see SFIConfig.selection_delay)")
@@ -438,8 +436,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refresh-layer-groups", type=int, default=SFIConfig.refresh_layer_groups,
                    help="a device-Selector refresh renews one of this many groups of layers in turn (see "
                         "SFIConfig.refresh_layer_groups)")
-    p.add_argument("--refresh-interval", type=int, default=SFIConfig.refresh_interval, help="T_max of the punctuation policy")
-    p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
+    p.add_argument("--refresh-interval", type=int, default=PunctuationParams.refresh_interval, help="T_max of the punctuation policy")
+    p.add_argument("--confidence-floor", type=float, default=PunctuationParams.confidence_floor,
                    help="slow step when the top-1 probability falls below this (0: never). A random-weight "
                         "model is never sure, so with it this fires every min_gap steps: its worst case")
     p.add_argument("--confidence-trace", default=None,
