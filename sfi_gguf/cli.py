@@ -268,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
             "KV cache; a conversation that grows turn by turn reuses its cache), or with --parallel N up to N "
             "requests decode together, each in its own slot. Every response has an extra "
             "\"sfi_stats\" field with the request's statistics; a request may set SFI options in an \"sfi\" "
-            "field (SFIConfig fields, or false for dense).", 79),
+            "field (SFIConfig keywords, or false for dense).", 79),
         epilog="example:\n  sfi-gguf serve --port 8000 &\n"
                "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                "       -d '{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n"

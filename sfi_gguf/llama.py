@@ -424,7 +424,7 @@ def _sfi_config(sfi) -> SFIConfig:
         return sfi
     if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request: fields and parameters by name
         return SFIConfig(**sfi)
-    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig fields or a bool, got {sfi!r}")
+    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig keywords or a bool, got {sfi!r}")
 
 
 def _normalize_message(m: Message) -> Message:
