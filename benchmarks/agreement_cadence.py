@@ -26,6 +26,7 @@ from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.tools.agreement import agreement_with, dense_reference  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
+from sfi_gguf.policy import PunctuationParams  # noqa: E402
 from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 # named Selector settings (SFIConfig fields)
@@ -50,15 +51,15 @@ def main() -> None:
     ap.add_argument("--k-head", type=int, default=512)
     ap.add_argument("--periods", nargs="+", type=int, default=[2, 4, 16, 64])
     ap.add_argument("--punctuation", action="store_true", help="also the punctuation + T_max policy")
-    ap.add_argument("--min-gap", type=int, default=16, help="of the punctuation policy")
-    ap.add_argument("--refresh-interval", type=int, default=64, help="T_max of the punctuation policy")
-    ap.add_argument("--sentence-offset", type=int, default=SFIConfig.sentence_offset,
+    ap.add_argument("--min-gap", type=int, default=PunctuationParams.min_gap, help="of the punctuation policy")
+    ap.add_argument("--refresh-interval", type=int, default=PunctuationParams.refresh_interval, help="T_max of the punctuation policy")
+    ap.add_argument("--sentence-offset", type=int, default=PunctuationParams.sentence_offset,
                     help="of the punctuation policy: slow this many tokens into a sentence (0: on its first token)")
-    ap.add_argument("--warmup-refresh", type=int, default=SFIConfig.warmup_refresh,
+    ap.add_argument("--warmup-refresh", type=int, default=PunctuationParams.warmup_refresh,
                     help="of the punctuation policy: one extra slow step this many steps after the bootstrap (0: none)")
     ap.add_argument("--selection-delay", type=int, default=0,
                     help="fast steps before a new selection is loaded (the Selector runs in the background)")
-    ap.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
+    ap.add_argument("--confidence-floor", type=float, default=PunctuationParams.confidence_floor,
                     help="of the punctuation policy: slow when the top-1 probability falls below this (0: never)")
     ap.add_argument("--device-selector", action="store_true",
                     help="run the Selector in the slow step's graph (every cell of the range a candidate)")

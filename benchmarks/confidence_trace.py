@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sfi_gguf.tools.bench import DEFAULT_DEPTHS, forced_tokens_digest, text_tokens  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.llama import SFILlama  # noqa: E402
-from sfi_gguf.policy import top1_probability  # noqa: E402
+from sfi_gguf.policy import PunctuationParams, top1_probability  # noqa: E402
 from sfi_gguf.tools.texts import text_source  # noqa: E402
 
 
@@ -80,9 +80,9 @@ def main() -> int:
                 top1.append(round(top1_probability(ctx.last_logits()), 5))
                 dense.step(int(token))
             trace["depths"][str(depth)] = {"forced_sha256": forced_tokens_digest(forced), "top1": top1}
-            low = np.mean(np.array(top1) < SFIConfig.confidence_floor)
+            low = np.mean(np.array(top1) < PunctuationParams.confidence_floor)
             print(f"depth {depth}: {len(top1)} steps in {time.perf_counter() - t0:.0f} s, mean top-1 "
-                  f"{np.mean(top1):.3f}, below {SFIConfig.confidence_floor}: {low:.0%}", flush=True)
+                  f"{np.mean(top1):.3f}, below {PunctuationParams.confidence_floor}: {low:.0%}", flush=True)
     finally:
         llm.close()
     out = Path(args.out)

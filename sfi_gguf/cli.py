@@ -28,24 +28,106 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-v", "--verbose", action="store_true", help="show llama.cpp's log")
 
 
-def _add_sfi_args(p: argparse.ArgumentParser) -> None:
+_SWITCH = {"auto": None, "on": True, "off": False}
+_NOT_FLAGS = ("policy", "policy_params", "selector", "selector_params")  # --policy and --selector name them
+
+
+def _sfi_flag_groups() -> list[tuple[str, type, list[str]]]:
+    """(title, dataclass, field names) of each group of SFI flags: SFIConfig's budgets, then each
+    policy's and each selector's parameters; a name shared by several has one flag, in its first group."""
+    import dataclasses
+
+    from .config import SFIConfig
     from .policy import POLICIES
     from .selector import SELECTORS
 
-    g = p.add_argument_group("Slow-Fast Inference (on by default)")
-    g.add_argument("--dense", action="store_true", help="plain dense decoding (full KV cache every step)")
-    g.add_argument("--policy", choices=list(POLICIES), default="punctuation",
-                   help="when a step is slow: " + " | ".join(f"{n}: {c.summary().rstrip('.')}" for n, c in POLICIES.items()))
-    g.add_argument("--selector", choices=list(SELECTORS), default="sfi", help="how the sparse memory is chosen")
-    g.add_argument("--k-head", type=int, default=None,
-                   help="selected cells per layer and KV head (default: a quarter of the context, at most 2048)")
-    g.add_argument("--n-sink", type=int, default=4, help="first cells of the context, always attended (default 4)")
-    g.add_argument("--n-recent", type=int, default=256, help="last cells of the context, always attended "
-                                                               "(default 256)")
-    g.add_argument("--refresh-interval", type=int, default=64, help="T_max: a slow step at least this often")
-    g.add_argument("--confidence-floor", type=float, default=0.5,
-                   help="also a slow step when the model's top-1 probability falls below this "
-                        "(a stale selection; 0 = off; default 0.5)")
+    groups = [("Slow-Fast Inference (on by default)", SFIConfig,
+               [f.name for f in dataclasses.fields(SFIConfig) if f.name not in _NOT_FLAGS])]
+    seen = set(groups[0][2])
+    for kind, registry in (("policy", POLICIES), ("selector", SELECTORS)):
+        for name, cls in registry.items():
+            names = [n for n in cls.Params.names() if n not in seen]
+            seen.update(names)
+            if names:
+                groups.append((f"parameters of {kind} {name!r} (--{kind} {name})", cls.Params, names))
+    return groups
+
+
+def _flag_type(cls: type, name: str):
+    """argparse keywords for the field `name` of the dataclass `cls` (annotations are strings here)."""
+    import dataclasses
+
+    annotation = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    text = annotation.__name__ if isinstance(annotation, type) else str(annotation)
+    base = text.replace(" | None", "").strip()
+    if base == "bool":
+        return {"choices": list(_SWITCH) if "None" in text else ["on", "off"]}
+    if base not in ("int", "float"):
+        raise TypeError(f"{cls.__name__}.{name}: a command-line flag needs an int, float or bool field, not {text}")
+    return {"type": {"int": int, "float": float}[base]}
+
+
+def add_sfi_args(parser: argparse.ArgumentParser, *, dense: bool = True, policies=None):
+    """The SFI flags, made from the fields of `SFIConfig` and of each registered policy's and selector's
+    parameters (name, type, help from the docstring, default). A flag left out keeps the field's
+    default (`sfi_config_from_args`). `dense`: also --dense; `policies`: the choices of --policy."""
+    from .config import SFIConfig
+    from .params import field_help
+    from .policy import POLICIES
+    from .selector import SELECTORS
+
+    policies = list(POLICIES if policies is None else policies)
+    (title, _, budget), *params = _sfi_flag_groups()
+    g = parser.add_argument_group(title)
+    if dense:
+        g.add_argument("--dense", action="store_true", help="plain dense decoding (full KV cache every step)")
+    g.add_argument("--policy", choices=policies, default=SFIConfig.policy,
+                   help="when a step is slow: " + " | ".join(f"{n}: {POLICIES[n].summary().rstrip('.')}" for n in policies)
+                   .replace("`", "").replace("%", "%%") + f" (default: {SFIConfig.policy})")
+    g.add_argument("--selector", choices=list(SELECTORS), default=SFIConfig.selector,
+                   help=f"how the sparse memory is chosen (default: {SFIConfig.selector})")
+    for group, cls, names in [(g, SFIConfig, budget)] + [(parser.add_argument_group(t), c, n) for t, c, n in params]:
+        for name in names:
+            text = field_help(cls, name).replace("`", "")
+            others = [c for c in _param_classes() if c is not cls and name in c.names()]
+            if others:
+                text += " [" + ", ".join(f"{_owner(c)}: {getattr(c, name)}" for c in others) + "]"
+            group.add_argument("--" + name.replace("_", "-"), dest=name, default=None,
+                               help=text.replace("%", "%%"), **_flag_type(cls, name))
+    return g
+
+
+def _param_classes() -> list[type]:
+    from .policy import POLICIES
+    from .selector import SELECTORS
+
+    return list(dict.fromkeys(c.Params for c in [*POLICIES.values(), *SELECTORS.values()]))
+
+
+def _owner(params: type) -> str:
+    from .policy import POLICIES
+    from .selector import SELECTORS
+
+    return ", ".join([n for n, c in POLICIES.items() if c.Params is params] +
+                     [n for n, c in SELECTORS.items() if c.Params is params])
+
+
+def sfi_config_from_args(args: argparse.Namespace, warn=None):
+    """The `SFIConfig` of the flags `add_sfi_args` made (False with --dense): the flags given, the
+    defaults for the others. `warn(text)` is told about parameters the policy or selector named does not read."""
+    from .config import SFIConfig
+
+    if getattr(args, "dense", False):
+        return False
+    given = {name: getattr(args, name) for _, _, names in _sfi_flag_groups() for name in names
+             if getattr(args, name, None) is not None}
+    given = {name: _SWITCH[value] if isinstance(value, str) else value for name, value in given.items()}
+    config = SFIConfig(policy=args.policy, selector=args.selector, **given)
+    if warn is not None:
+        read = set(config.policy_params.names()) | set(config.selector_params.names()) | set(_sfi_flag_groups()[0][2])
+        for name in sorted(set(given) - read):
+            warn(f"--{name.replace('_', '-')} has no effect with --policy {config.policy} --selector {config.selector}")
+    return config
 
 
 def _flash_attn(args: argparse.Namespace) -> bool | None:
@@ -53,13 +135,7 @@ def _flash_attn(args: argparse.Namespace) -> bool | None:
 
 
 def _sfi_from_args(args: argparse.Namespace):
-    from .config import SFIConfig
-
-    if args.dense:
-        return False
-    return SFIConfig(policy=args.policy, selector=args.selector, k_head=args.k_head, n_sink=args.n_sink,
-                     n_recent=args.n_recent, refresh_interval=args.refresh_interval,
-                     confidence_floor=args.confidence_floor)
+    return sfi_config_from_args(args, warn=lambda text: print(f"sfi-gguf: warning: {text}", file=sys.stderr))
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -157,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--stop", action="append", help="stop string (repeatable)")
     run.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_model_args(run)
-    _add_sfi_args(run)
+    add_sfi_args(run)
     run.set_defaults(func=_cmd_run)
 
     chat = sub.add_parser(
@@ -180,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--stats", action="store_true",
                       help="after each answer, print speed, prompt tokens reused and the SFI statistics on stderr")
     _add_model_args(chat)
-    _add_sfi_args(chat)
+    add_sfi_args(chat)
     chat.set_defaults(func=_cmd_chat)
 
     serve = sub.add_parser(
@@ -192,7 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
             "KV cache; a conversation that grows turn by turn reuses its cache), or with --parallel N up to N "
             "requests decode together, each in its own slot. Every response has an extra "
             "\"sfi_stats\" field with the request's statistics; a request may set SFI options in an \"sfi\" "
-            "field (SFIConfig fields, or false for dense).", 79),
+            "field (SFIConfig keywords, or false for dense).", 79),
         epilog="example:\n  sfi-gguf serve --port 8000 &\n"
                "  curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\\n"
                "       -d '{\"model\": \"any\", \"messages\": [{\"role\": \"user\", \"content\": \"Hi\"}]}'\n"
@@ -207,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--alias", default=None,
                        help="model name shown in /v1/models and responses (default: the GGUF file name)")
     _add_model_args(serve)
-    _add_sfi_args(serve)
+    add_sfi_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
     model = sub.add_parser("model", help="fetch, assemble and verify a known model; print its path")

@@ -1,32 +1,31 @@
 """`SFIConfig`: every knob of Slow-Fast Inference in one validated object.
 
 Defaults follow SPEC section 2 and the authors' reference code (design/sfi-paper-notes.md). The
-object is pure data: the trigger policy and the Selector are built from it by name
-(`policy.make_policy`, `selector.make_selector`), so a new strategy is a class registered in
-`policy.py` or `selector.py`, with its parameters as fields here.
+object is pure data: the budgets of the sparse memory, and the trigger policy and the Selector by
+name with their parameters (`policy_params`, `selector_params`: the dataclass each of them owns, in
+`policy.py` and `selector.py`). They are built from it by `policy.make_policy` and
+`selector.make_selector`, so a new strategy is a class registered in `policy.py` or `selector.py`
+with its `Params`, and is valid here at once.
 """
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
-from .policy import POLICIES  # registries: a new policy or selector class is valid here at once
-from .selector import SELECTORS
+from .params import is_int
+from .policy import POLICIES, MemoryMode, PolicyParams  # registries: a new policy or selector class is valid here at once
+from .selector import SELECTORS, SelectorParams
 
 #: k_head when it is scaled to the context: never above this (the throughput setting of the paper).
 K_HEAD_LONG_CONTEXT = 2048
 #: ... and a multiple of this (friendly to attention kernels' block sizes), at least one block.
 K_HEAD_GRANULE = 64
 
-# beta of the position prior: log delta(u) reaches log(theta) at u = p_beta (theta 0.6, p_beta 0.9)
-_DEFAULT_POS_BETA = -math.log(0.6) / 0.9
-
 
 @dataclass(frozen=True)
 class SFIConfig:
-    """Budgets, trigger policy and Selector parameters of one SFI run.
+    """Budgets, trigger policy and Selector (with their parameters) of one SFI run.
 
     Sparse memory of a fast step, per layer and KV head: `n_sink` first cells + `k_head` cells chosen
     by the Selector + the last `n_recent` cells (plus every token decoded since the last refresh).
@@ -36,11 +35,12 @@ class SFIConfig:
     n_sink: int = 4
     """First cells of the context, always attended (attention sinks)."""
     k_head: int | None = None
-    """Selected cells per layer and KV head. None: scaled to the context, see `resolve_k_head`."""
+    """Selected cells per layer and KV head. None: a quarter of the context, at most 2048, see `resolve_k_head`."""
     n_recent: int = 256
     """Last cells of the context at a refresh, always attended."""
     min_context: int | None = None
-    """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain)."""
+    """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain),
+    32768 with layers on a GPU (`llama.GPU_MIN_CONTEXT`, see `SFILlama.effective_config`)."""
     n_candidates: int | None = None
     """Cells per layer a slow step hands to the Selector, chosen on the device by head-summed evidence
     (top-k in the graph), so that a long context's export is not copied and scored whole. None: 4 x
@@ -73,73 +73,45 @@ class SFIConfig:
     16 took the H200 from 1.87x to 2.14x at 128K, but the stale memory in between costs quality
     (teacher-forced agreement at 4K, k_head 512: 0.953 -> 0.695), so it is off by default."""
 
-    # -- trigger policy ------------------------------------------------------------------------
-    policy: str = "punctuation"
-    """When a step is slow: "punctuation" (sentence boundaries + T_max, the method), "fixed" (every
-    `fixed_period` steps), "static" (bootstrap selection only), "sink_recent" (no selection,
-    StreamingLLM-like) or "dense" (full KV every step)."""
-    cooldown: int = 2
-    """Steps after a sentence trigger during which sentence enders do not arm a new one."""
-    min_gap: int = 16
-    """Minimum steps between two refreshes; sentence triggers inside the gap are dropped."""
-    refresh_interval: int = 64
-    """T_max: a slow step is forced when this many steps passed since the last refresh."""
-    sentence_offset: int = 0
-    """The sentence trigger fires this many tokens after the first token of the new sentence (0: on
-    the first token, the paper). Measured, not adopted: 2-3 helped one text and hurt another
-    (BENCHMARKS.md, "Trigger placement")."""
-    warmup_refresh: int = 8
-    """One extra slow step this many steps after the bootstrap selection (0: none): the prompt's
-    last rows choose poorly for the first tokens of a continuation (teacher-forced agreement at 4K
-    context, k_head 512: BENCHMARKS.md, "Trigger placement")."""
-    confidence_floor: float = 0.5
-    """A slow step is also forced (once `min_gap` steps passed since the last refresh) when the last
-    step's top-1 probability fell below this (0: never): a stale selection shows as a model that
-    stops being sure (same section)."""
-    fixed_period: int = 64
-    """Period of the "fixed" policy (the reference ablation uses the refresh interval)."""
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""
 
-    # -- Selector ------------------------------------------------------------------------------
+    # -- trigger policy and Selector -----------------------------------------------------------
+    policy: str = "punctuation"
+    """When a step is slow, a name in `policy.POLICIES`: "punctuation" (sentence boundaries + T_max,
+    the method), "fixed" (every `fixed_period` steps), "static" (bootstrap selection only),
+    "sink_recent" (no selection, StreamingLLM-like) or "dense" (full KV every step)."""
+    policy_params: PolicyParams | None = None
+    """The policy's parameters, an instance of `POLICIES[policy].Params` (a dict of its fields is
+    accepted). None: its defaults."""
     selector: str = "sfi"
-    """"sfi" (power-mean evidence + priors + soft-NMS + cross-head exclusivity) or "topk_mass"."""
-    alpha: float = 0.5
-    """Power of the power-mean over query rows (1 = mean, -> 0 = geometric mean)."""
-    gamma: float = 0.5
-    """Key-norm prior ||K||^-gamma: small-norm keys are favoured."""
-    w_l2: float = 1.0
-    """Weight (exponent) of the key-norm prior."""
-    w_pos: float = 0.7
-    """Weight (exponent) of the position prior."""
-    pos_power: float = 1.8
-    """p of the position prior log delta(u) = -beta u^p + eta log(1-u)."""
-    pos_eta: float = 0.4
-    """eta of the position prior."""
-    pos_beta: float = _DEFAULT_POS_BETA
-    """beta of the position prior, -ln(0.6)/0.9 ~ 0.568."""
-    lambda_clip_single: float = 0.35
-    """Upper clip of the prior's mixing weight lambda* when there is one query row."""
-    lambda_clip_multi: float = 0.25
-    """Upper clip of lambda* with several query rows (GQA group and/or bootstrap rows)."""
-    pool_window: int | None = None
-    """Max-pool the evidence over this many neighbouring cells before scoring (0/1 = off; None: the
-    selector's default, 17 for "sfi", off for the "topk_mass" baseline): keeps the
-    span around a heavy cell (the value after the key a question names), see `selector.local_pool`.
-    Not in the paper; without it a needle's digits are lost (BENCHMARKS.md, "Quality evaluation")."""
-    nms_window: int = 32
-    """Soft-NMS window over positions (cells within +-window/2 compete)."""
-    nms_strength: float = 0.0
-    """Soft-NMS suppression strength a (0 = off). The paper uses 1.0; off by default here because
-    it drops the neighbours of today's peaks, which the next steps read: teacher-forced agreement
-    at 4K context, k_head 512, refresh every 16 steps 0.48 with it, 0.85 without
-    (BENCHMARKS.md, "Agreement upper bound")."""
-    cross_head_alpha: float = 0.85
-    """Strength of the cross-head exclusivity term (only used when a layer has > 2 KV heads)."""
-    cross_head_temperature: float = 2.0
-    """Temperature of the softmax over heads of the exclusivity term."""
+    """Which cells a fast step reads, a name in `selector.SELECTORS`: "sfi" (power-mean evidence +
+    priors + soft-NMS + cross-head exclusivity) or "topk_mass" (the baseline)."""
+    selector_params: SelectorParams | None = None
+    """The selector's parameters, an instance of `SELECTORS[selector].Params` (a dict of its fields is
+    accepted). None: its defaults."""
 
-    def __post_init__(self) -> None:
+    def __init__(self, **kwargs: Any) -> None:
+        """Keywords: the fields above, and the parameters of the named policy and selector by name
+        (`SFIConfig(policy="fixed", fixed_period=16)`), which update `policy_params` / `selector_params`.
+
+        A parameter of another registered policy or selector is checked and has no effect (the policy
+        named does not read it); a parameter None (`pool_window=None`) means its default. Any other
+        name raises ValueError.
+        """
+        own = {f.name: f for f in dataclasses.fields(self)}
+        flat = {name: kwargs.pop(name) for name in list(kwargs) if name not in own}
+        for name, f in own.items():
+            object.__setattr__(self, name, kwargs.get(name, f.default))
+        policy_cls = POLICIES.get(self.policy) if isinstance(self.policy, str) else None
+        selector_cls = SELECTORS.get(self.selector) if isinstance(self.selector, str) else None
+        if policy_cls is None or selector_cls is None:
+            self.validate()  # names the unknown policy or selector
+        for_policy, for_selector = _route(flat, policy_cls.Params, selector_cls.Params)
+        object.__setattr__(self, "policy_params", _params(self.policy_params, policy_cls.Params, for_policy,
+                                                          "policy_params"))
+        object.__setattr__(self, "selector_params", _params(self.selector_params, selector_cls.Params,
+                                                            for_selector, "selector_params"))
         self.validate()
 
     # -- checks --------------------------------------------------------------------------------
@@ -149,40 +121,27 @@ class SFIConfig:
             if not ok:
                 raise ValueError(f"SFIConfig.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("n_sink", "n_recent", "cooldown", "min_gap", "sentence_offset", "warmup_refresh"):
+        for name in ("n_sink", "n_recent", "selection_delay"):
             value = getattr(self, name)
-            need(_is_int(value) and value >= 0, name, "must be an integer >= 0")
-        for name in ("refresh_interval", "fixed_period", "n_prefill_queries", "nms_window"):
+            need(is_int(value) and value >= 0, name, "must be an integer >= 0")
+        for name in ("n_prefill_queries", "refresh_layer_groups"):
             value = getattr(self, name)
-            need(_is_int(value) and value >= 1, name, "must be an integer >= 1")
-        need(self.k_head is None or (_is_int(self.k_head) and self.k_head >= 1), "k_head",
+            need(is_int(value) and value >= 1, name, "must be an integer >= 1")
+        need(self.k_head is None or (is_int(self.k_head) and self.k_head >= 1), "k_head",
              "must be None (scaled to the context) or an integer >= 1")
-        need(self.pool_window is None or (_is_int(self.pool_window) and self.pool_window >= 0), "pool_window",
-             "must be None (the selector's default) or an integer >= 0")
-        need(self.min_context is None or (_is_int(self.min_context) and self.min_context >= 0), "min_context",
+        need(self.min_context is None or (is_int(self.min_context) and self.min_context >= 0), "min_context",
              "must be None (n_sink + k_head + n_recent) or an integer >= 0")
-        need(self.n_candidates is None or (_is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
+        need(self.n_candidates is None or (is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
              "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
         need(self.device_selector in (None, True, False), "device_selector", "must be None, True or False")
-        need(_is_int(self.refresh_layer_groups) and self.refresh_layer_groups >= 1, "refresh_layer_groups",
-             "must be an integer >= 1")
-        need(_is_int(self.selection_delay) and self.selection_delay >= 0, "selection_delay",
-             "must be an integer >= 0")
-        need(self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
-        need(self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
-        need(_is_real(self.alpha) and 0 < self.alpha < math.inf, "alpha", "must be a finite number > 0")
-        for name in ("w_l2", "w_pos", "nms_strength", "cross_head_alpha"):
-            value = getattr(self, name)
-            need(_is_real(value) and 0 <= value < math.inf, name, "must be a finite number >= 0")
-        for name in ("gamma", "pos_eta", "pos_beta"):
-            value = getattr(self, name)
-            need(_is_real(value) and math.isfinite(value), name, "must be a finite number")
-        need(_is_real(self.pos_power) and 0 < self.pos_power < math.inf, "pos_power", "must be a finite number > 0")
-        for name in ("lambda_clip_single", "lambda_clip_multi", "confidence_floor"):
-            value = getattr(self, name)
-            need(_is_real(value) and 0 <= value <= 1, name, "must be in [0, 1]")
-        need(_is_real(self.cross_head_temperature) and 0 < self.cross_head_temperature < math.inf,
-             "cross_head_temperature", "must be a finite number > 0")
+        need(isinstance(self.policy, str) and self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
+        need(isinstance(self.selector, str) and self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
+        need(type(self.policy_params) is POLICIES[self.policy].Params, "policy_params",
+             f"must be a {POLICIES[self.policy].Params.__name__} (the parameters of policy {self.policy!r})")
+        need(type(self.selector_params) is SELECTORS[self.selector].Params, "selector_params",
+             f"must be a {SELECTORS[self.selector].Params.__name__} (the parameters of selector {self.selector!r})")
+        self.policy_params.validate()
+        self.selector_params.validate()
 
     # -- derived quantities --------------------------------------------------------------------
     def resolve_n_candidates(self, n_context: int) -> int:
@@ -211,21 +170,77 @@ class SFIConfig:
             return self.min_context
         return self.n_sink + self.resolve_k_head(n_context) + self.n_recent
 
+    @property
+    def dense(self) -> bool:
+        """Whether the policy decodes with the whole KV cache at every step (no SFI at all)."""
+        return POLICIES[self.policy].memory is MemoryMode.DENSE
+
     def stays_dense(self, n_context: int) -> bool:
         """True when a context of `n_context` cells is too short for a sparse memory to pay off."""
-        return self.policy == "dense" or n_context < self.resolve_min_context(n_context)
+        return self.dense or n_context < self.resolve_min_context(n_context)
 
     def replace(self, **changes: Any) -> SFIConfig:
-        """A copy with some fields changed (validated), e.g. from command-line options."""
-        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(self)})
+        """A copy with some fields or parameters changed (validated), e.g. from command-line options.
+
+        A new policy (selector) without new `policy_params` (`selector_params`) starts from its defaults.
+        """
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if changes.get("policy", self.policy) != self.policy:
+            fields["policy_params"] = None
+        if changes.get("selector", self.selector) != self.selector:
+            fields["selector_params"] = None
+        return SFIConfig(**{**fields, **changes})
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields and parameters (by name, as `SFIConfig` takes them) that differ from their
+        defaults: {} for `SFIConfig()`."""
+        default = SFIConfig()
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("policy_params", "selector_params") and getattr(self, f.name) != getattr(default, f.name)}
+        return {**out, **self.policy_params.overrides(), **self.selector_params.overrides()}
+
+
+def parameter_owners() -> dict[str, list[type]]:
+    """Every parameter name of a registered policy or selector, with the `Params` classes that have it."""
+    owners: dict[str, list[type]] = {}
+    for params in dict.fromkeys(cls.Params for cls in [*POLICIES.values(), *SELECTORS.values()]):
+        for name in params.names():
+            owners.setdefault(name, []).append(params)
+    return owners
+
+
+def _route(flat: dict[str, Any], policy_params: type, selector_params: type) -> tuple[dict, dict]:
+    """Split parameters given by name into the named policy's and the named selector's; check the others."""
+    flat = {name: value for name, value in flat.items() if value is not None}  # None: the default
+    owners = parameter_owners()
+    unknown = sorted(set(flat) - set(owners))
+    if unknown:
+        known = sorted({f.name for f in dataclasses.fields(SFIConfig)} | set(owners))
+        raise ValueError(f"unknown SFIConfig field or parameter {', '.join(map(repr, unknown))} "
+                         f"(SFIConfig has no parameter {', '.join(unknown)}); known: {', '.join(known)}")
+    for_policy, for_selector = {}, {}
+    for name, value in flat.items():
+        mine = [cls for cls in (policy_params, selector_params) if name in cls.names()]
+        if len(mine) == 2:
+            raise ValueError(f"SFIConfig: {name!r} is a parameter of both {policy_params.__name__} and "
+                             f"{selector_params.__name__}; pass it in policy_params or selector_params")
+        if mine:
+            (for_policy if mine[0] is policy_params else for_selector)[name] = value
+        else:
+            owners[name][0](**{name: value})  # another policy's or selector's: checked, then unused
+    return for_policy, for_selector
+
+
+def _params(given: Any, cls: type, changes: dict[str, Any], field: str) -> Any:
+    """`given` (None: the defaults of `cls`; a dict: the fields of a `cls`) with `changes` applied."""
+    if given is None:
+        return cls(**changes)
+    if isinstance(given, dict):
+        unknown = sorted(set(given) - set(cls.names()))
         if unknown:
-            raise ValueError(f"SFIConfig has no parameter {', '.join(unknown)}")
-        return dataclasses.replace(self, **changes)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+            raise ValueError(f"SFIConfig.{field}: {cls.__name__} has no parameter {', '.join(unknown)}; "
+                             f"known: {', '.join(cls.names())}")
+        return cls(**{**given, **changes})
+    if type(given) is not cls:
+        raise ValueError(f"SFIConfig.{field}={given!r}: must be a {cls.__name__}")
+    return dataclasses.replace(given, **changes) if changes else given

@@ -61,8 +61,8 @@ class SFILlama:
     model's training context.
 
     `sfi`: an `SFIConfig` (default: `SFIConfig()`, the method with its published defaults), a policy
-    name ("punctuation", "fixed", "static", "sink_recent", "dense"), a dict of SFIConfig fields, or
-    False for plain dense decoding.
+    name ("punctuation", "fixed", "static", "sink_recent", "dense"), a dict of `SFIConfig` keywords (its
+    fields and, by name, the parameters of its policy and selector), or False for plain dense decoding.
     `flash_attn`: SFI works with it on or off. Off is the faster path on CPUs at long context (ggml's
     CPU flash attention reads the KV cache once per query head), but then a prompt served from the
     cache (its last token re-decoded alone) may continue differently from a fresh prefill after some
@@ -242,7 +242,7 @@ class SFILlama:
 
         config = config or self.sfi_config
         ctx = ctx or self._ctx
-        if config.policy == "dense":
+        if config.dense:
             if self._sfi_native is not None and self._sfi_native._initialized:
                 self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
             return DenseStepper(ctx)
@@ -250,14 +250,15 @@ class SFILlama:
         _check_split(config, self.split_mode)
         config = self.effective_config(config, batched)
         from .boundary import PieceTable
-        from .policy import make_policy
+        from .policy import POLICIES, make_policy
         from .selector import make_selector
         from .sfi import SFIStepper
 
         # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
         # buffers (allocated for the capacity) bounded, and the values inside int32
         n_ctx = self.n_ctx
-        n_tail_max = min(n_ctx, max(256, 2 * config.refresh_interval))
+        t_max = config.policy_params.t_max  # the tail's capacity: twice the policy's T_max, at least 256 cells
+        n_tail_max = min(n_ctx, max(256, 2 * (t_max or 0)))
         # a delayed selection keeps every cell that entered its range since it was chosen as recent
         # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap
         # refresh) and the slow step's token beyond n_recent
@@ -265,12 +266,12 @@ class SFILlama:
         params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
                       n_tail_max=n_tail_max,
                       n_query_rows=min(n_ctx, config.n_prefill_queries),
-                      evidence_alpha=config.alpha, export_key_norms=True)
+                      evidence_alpha=config.selector_params.evidence_alpha, export_key_norms=True)
         if self._sfi_native is None:
             self._sfi_native = SFINative(self._ctx.ctx, **params)
         elif not self._sfi_native._initialized or any(self._sfi_native.params[k] != v for k, v in params.items()):
             self._sfi_native.init(**params)  # the config changed since (new budgets), or a re-init failed
-        if self._pieces is None and config.policy == "punctuation":
+        if self._pieces is None and POLICIES[config.policy].reads_text:
             self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
         native = self._sfi_native
         if self._ctx.n_seq_max > 1:
@@ -421,13 +422,9 @@ def _sfi_config(sfi) -> SFIConfig:
         return SFIConfig(policy=sfi)
     if isinstance(sfi, SFIConfig):
         return sfi
-    if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request
-        fields = {f.name for f in dataclasses.fields(SFIConfig)}
-        unknown = set(sfi) - fields
-        if unknown:
-            raise ValueError(f"unknown SFIConfig field(s) {sorted(unknown)}; known: {', '.join(sorted(fields))}")
+    if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request: fields and parameters by name
         return SFIConfig(**sfi)
-    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig fields or a bool, got {sfi!r}")
+    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig keywords or a bool, got {sfi!r}")
 
 
 def _normalize_message(m: Message) -> Message:
@@ -481,7 +478,7 @@ def _check_fits(config: SFIConfig, n_ctx: int) -> None:
 
     (k_head == n_ctx is fine: a budget covering the whole context, used to compare with dense.)
     """
-    if config.policy != "dense" and config.k_head is not None and config.k_head > n_ctx:
+    if not config.dense and config.k_head is not None and config.k_head > n_ctx:
         raise ValueError(f"SFIConfig.k_head={config.k_head}: larger than the context (n_ctx={n_ctx}); "
                          "use k_head <= n_ctx, or k_head=None to scale it to the context")
 
@@ -489,7 +486,7 @@ def _check_fits(config: SFIConfig, n_ctx: int) -> None:
 def _check_split(config: SFIConfig, split_mode: str) -> None:
     """SFI gathers each layer's selected cells on the device that holds the layer's KV cache; with
     split_mode "row" the matrices of a layer are split across GPUs, a layout SFI is not built or tested for."""
-    if config.policy != "dense" and split_mode == "row":
+    if not config.dense and split_mode == "row":
         raise ValueError("split_mode='row' is not supported with SFI; use split_mode='layer' (whole layers per GPU, "
                          "the default) or 'none', or sfi=False for dense decoding")
 

@@ -71,7 +71,7 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
                       logits_processor=None, grammar=None, logit_bias=None, *, sfi=None):
     """`llama_cpp.Llama.create_completion`: a text_completion dict, or an iterator of chunks if stream.
 
-    `sfi` (an SFIConfig, policy name, bool or dict of SFIConfig fields) overrides the model's SFI
+    `sfi` (an SFIConfig, policy name, bool or dict of SFIConfig keywords) overrides the model's SFI
     settings for this call.
     """
     _check_supported(locals())

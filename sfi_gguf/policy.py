@@ -16,20 +16,25 @@ has. The loop:
 
 `memory` tells the loop what a fast step attends to: the Selector's cells (SELECTED), only sink
 and recent cells (SINK_RECENT, StreamingLLM-like, never slow), or everything (DENSE, no SFI).
-A new policy is a new subclass decorated with `@register_policy`.
+
+A new policy is a new subclass decorated with `@register_policy`, with a `name` and, if it has
+parameters, a `Params` dataclass (a `PolicyParams` subclass: each field with its default and a
+docstring) that `from_params` reads. `SFIConfig(policy=name)` then holds its defaults in
+`SFIConfig.policy_params`, its fields are keywords of `SFIConfig` and flags of the command line.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import ClassVar
 
 import numpy as np
 
 from .boundary import BoundaryDetector, PieceTable
-
+from .params import Params
 
 
 class MemoryMode(str, Enum):
@@ -40,11 +45,26 @@ class MemoryMode(str, Enum):
     DENSE = "dense"  # the whole KV cache: plain decoding
 
 
+@dataclass(frozen=True)
+class PolicyParams(Params):
+    """Parameters of a trigger policy; this base has none (the policies without parameters use it)."""
+
+    @property
+    def t_max(self) -> int | None:
+        """Most steps between two refreshes that the policy forces by counting (T_max), None if it has no
+        such bound; the native tail of fast-step tokens is sized for it."""
+        return None
+
+
 class TriggerPolicy(ABC):
     """Decides, token by token, whether the next decode step is slow."""
 
     name: ClassVar[str]
     memory: ClassVar[MemoryMode] = MemoryMode.SELECTED
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+    """The dataclass of the policy's parameters (its defaults are the policy's defaults)."""
+    reads_text: ClassVar[bool] = False
+    """Whether `from_params` needs the vocabulary's token pieces."""
 
     def __init__(self) -> None:
         self.steps_since_refresh = 0
@@ -108,9 +128,8 @@ class TriggerPolicy(ABC):
         """Why the step decoding `token` is slow, or None; `steps_since_refresh` counts this step."""
 
     @classmethod
-    def from_config(cls, config, pieces: PieceTable | Sequence[bytes | str] | None) -> TriggerPolicy:
-        """Build from the parameters of `config` (an `SFIConfig`); `pieces` is the vocabulary, for policies
-        that read text."""
+    def from_params(cls, params: PolicyParams, pieces: PieceTable | Sequence[bytes | str] | None) -> TriggerPolicy:
+        """Build from `params` (a `cls.Params`); `pieces` is the vocabulary, for policies that read text."""
         return cls()
 
     @classmethod
@@ -130,6 +149,8 @@ POLICIES: dict[str, type[TriggerPolicy]] = {}
 
 def register_policy(cls: type[TriggerPolicy]) -> type[TriggerPolicy]:
     """Class decorator: make a policy selectable by its `name` (config, CLI)."""
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, PolicyParams)):
+        raise TypeError(f"{cls.__name__}.Params must be a PolicyParams dataclass")
     POLICIES[cls.name] = cls
     return cls
 
@@ -140,7 +161,8 @@ def policy_names() -> tuple[str, ...]:
 
 def make_policy(config, pieces: PieceTable | Sequence[bytes | str] | None = None,
                 name: str | None = None) -> TriggerPolicy:
-    """The policy named `name` (default: `config.policy`), with the parameters of `config` (an `SFIConfig`).
+    """The policy named `name` (default: `config.policy`) of `config` (an `SFIConfig`), with its
+    `policy_params` (another policy than the config's: with its default parameters).
 
     `pieces`: the vocabulary (a `PieceTable`, or every token's text in id order); only text-reading
     policies need it. Building a `PieceTable` takes a fraction of a second: share one per model.
@@ -148,7 +170,43 @@ def make_policy(config, pieces: PieceTable | Sequence[bytes | str] | None = None
     name = config.policy if name is None else name
     if name not in POLICIES:
         raise ValueError(f"unknown trigger policy {name!r}; known: {', '.join(POLICIES)}")
-    return POLICIES[name].from_config(config, pieces)
+    cls = POLICIES[name]
+    return cls.from_params(config.policy_params if name == config.policy else cls.Params(), pieces)
+
+
+# -- the policies -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PunctuationParams(PolicyParams):
+    """Parameters of the "punctuation" policy (`PunctuationTmaxPolicy`)."""
+
+    cooldown: int = 2
+    """Steps after a sentence trigger during which sentence enders do not arm a new one."""
+    min_gap: int = 16
+    """Minimum steps between two refreshes; sentence triggers inside the gap are dropped."""
+    refresh_interval: int = 64
+    """T_max: a slow step is forced when this many steps passed since the last refresh."""
+    sentence_offset: int = 0
+    """The sentence trigger fires this many tokens after the first token of the new sentence (0: on
+    the first token, the paper). Measured, not adopted: 2-3 helped one text and hurt another
+    (BENCHMARKS.md, "Trigger placement")."""
+    warmup_refresh: int = 8
+    """One extra slow step this many steps after the bootstrap selection (0: none). The prompt's
+    last rows choose poorly for the first tokens of a continuation (teacher-forced agreement at 4K
+    context, k_head 512: BENCHMARKS.md, "Trigger placement")."""
+    confidence_floor: float = 0.5
+    """Also a slow step (once `min_gap` steps passed since the last refresh) when the last step's
+    top-1 probability fell below this (0: never). A stale selection shows as a model that stops
+    being sure (same section)."""
+
+    def validate(self) -> None:
+        for name in ("cooldown", "min_gap", "sentence_offset", "warmup_refresh"):
+            self.need_int(name, 0)
+        self.need_int("refresh_interval", 1)
+        self.need_real("confidence_floor", 0, 1)
+
+    @property
+    def t_max(self) -> int:
+        return self.refresh_interval
 
 
 @register_policy
@@ -174,30 +232,29 @@ class PunctuationTmaxPolicy(TriggerPolicy):
     """
 
     name = "punctuation"
+    Params = PunctuationParams
+    reads_text = True
 
-    def __init__(self, detector: BoundaryDetector, cooldown: int = 2, min_gap: int = 16,
-                 refresh_interval: int = 64, sentence_offset: int = 0, warmup: int = 0,
-                 confidence_floor: float = 0.0):
+    def __init__(self, detector: BoundaryDetector, params: PunctuationParams = PunctuationParams()):
         super().__init__()
         self.detector = detector
-        self.cooldown = cooldown
-        self.min_gap = min_gap
-        self.refresh_interval = refresh_interval
-        self.sentence_offset = sentence_offset
-        self.warmup = warmup
-        self.confidence_floor = confidence_floor
+        self.params = params
+        self.cooldown = params.cooldown
+        self.min_gap = params.min_gap
+        self.refresh_interval = params.refresh_interval
+        self.sentence_offset = params.sentence_offset
+        self.warmup = params.warmup_refresh
+        self.confidence_floor = params.confidence_floor
         self._cooldown_left = 0
         self._due_in: int | None = None  # steps until an accepted sentence trigger fires
         self._warmup_due = False
 
     @classmethod
-    def from_config(cls, config, pieces):
+    def from_params(cls, params, pieces):
         if pieces is None:
             raise ValueError("the punctuation policy needs the vocabulary's token pieces to find sentence ends")
         table = pieces if isinstance(pieces, PieceTable) else PieceTable(pieces)
-        return cls(BoundaryDetector(table), cooldown=config.cooldown, min_gap=config.min_gap,
-                   refresh_interval=config.refresh_interval, sentence_offset=config.sentence_offset,
-                   warmup=config.warmup_refresh, confidence_floor=config.confidence_floor)
+        return cls(BoundaryDetector(table), params)
 
     @property
     def reads_confidence(self) -> bool:
@@ -247,19 +304,32 @@ class PunctuationTmaxPolicy(TriggerPolicy):
         return None
 
 
+@dataclass(frozen=True)
+class FixedParams(PolicyParams):
+    """Parameters of the "fixed" policy (`FixedPeriodPolicy`)."""
+
+    fixed_period: int = 64
+    """Steps between two slow steps (the reference ablation uses the refresh interval)."""
+
+    def validate(self) -> None:
+        self.need_int("fixed_period", 1)
+
+
 @register_policy
 class FixedPeriodPolicy(TriggerPolicy):
-    """Slow every `period` steps, whatever the text says (ablation of the sentence trigger)."""
+    """Slow every `fixed_period` steps, whatever the text says (ablation of the sentence trigger)."""
 
     name = "fixed"
+    Params = FixedParams
 
-    def __init__(self, period: int = 64):
+    def __init__(self, params: FixedParams = FixedParams()):
         super().__init__()
-        self.period = period
+        self.params = params
+        self.period = params.fixed_period
 
     @classmethod
-    def from_config(cls, config, pieces):
-        return cls(period=config.fixed_period)
+    def from_params(cls, params, pieces):
+        return cls(params)
 
     def _trigger(self, token: int) -> str | None:
         return "period" if self.steps_since_refresh >= self.period else None

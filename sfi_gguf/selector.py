@@ -20,8 +20,12 @@ candidates in position order (any leading axes, e.g. [L, H, C]), float32:
 4. `soft_nms`              s'(k) = s(k) - a max(0, max_{|j-k|<=w/2} s(j) - s(k)), s = log q
 5. `cross_head_exclusivity` s''_h = s'_h + alpha_x log softmax_h(s'_h / T)   (only with > 2 KV heads)
 6. `top_k_per_row`         the k best cells, sorted
-`TopKMassSelector` (plain top-k of the mass) is the comparison point. A new selector is a new
-`Selector` subclass with a `score` method, decorated with `@register_selector`.
+`TopKMassSelector` (plain top-k of the mass) is the comparison point.
+
+A new selector is a new `Selector` subclass with a `name` and a `score` method, decorated with
+`@register_selector`; its parameters are a `SelectorParams` dataclass (each field with its default
+and a docstring), its `Params`, read by `from_params`. `SFIConfig(selector=name)` then holds its
+defaults in `SFIConfig.selector_params`; its fields are keywords of `SFIConfig` and command-line flags.
 """
 from __future__ import annotations
 
@@ -31,15 +35,21 @@ import os
 import threading
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import numpy as np
+
+from .params import Params
 
 
 _F32 = np.float32
 _TINY = np.finfo(np.float32).tiny
 _CHUNK_ELEMENTS = 1 << 20  # score this many floats at a time: a chunk's temporaries stay in cache
+
+#: alpha of the evidence sum_r p_r(k)^alpha that a slow step exports: the SFI Selector's power-mean
+#: exponent, and the export's for a selector that reads no evidence (the device picks candidates by it).
+EVIDENCE_ALPHA = 0.5
 
 
 # -- inputs ------------------------------------------------------------------------------------------
@@ -98,7 +108,7 @@ class AttentionExport:
     evidence: np.ndarray | None = None
     key_norms: np.ndarray | None = None
     n_rows: int = 1
-    alpha: float = 0.5
+    alpha: float = EVIDENCE_ALPHA
     positions: np.ndarray | None = None
     cells: np.ndarray | None = None
 
@@ -143,6 +153,87 @@ class AttentionExport:
         if len(cells) and cells[-1] - cells[0] + 1 == len(cells) and np.all(np.diff(cells) == 1):
             return slice(int(cells[0]), int(cells[-1]) + 1)
         return cells
+
+
+# -- parameters ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SelectorParams(Params):
+    """Parameters of a selector; this base has none."""
+
+    @property
+    def evidence_alpha(self) -> float:
+        """alpha of the evidence the slow step exports for this selector."""
+        return EVIDENCE_ALPHA
+
+
+@dataclass(frozen=True)
+class SFISelectorParams(SelectorParams):
+    """Parameters of the "sfi" selector (`SFISelector`); defaults: SPEC section 2 and the authors'
+    reference code, but for soft-NMS (off) and evidence pooling (on), measured in BENCHMARKS.md."""
+
+    alpha: float = EVIDENCE_ALPHA
+    """Power of the power-mean over query rows (1 = mean, -> 0 = geometric mean)."""
+    gamma: float = 0.5
+    """Key-norm prior ||K||^-gamma: small-norm keys are favoured."""
+    w_l2: float = 1.0
+    """Weight (exponent) of the key-norm prior."""
+    w_pos: float = 0.7
+    """Weight (exponent) of the position prior."""
+    pos_power: float = 1.8
+    """p of the position prior log delta(u) = -beta u^p + eta log(1-u)."""
+    pos_eta: float = 0.4
+    """eta of the position prior."""
+    pos_beta: float = -math.log(0.6) / 0.9
+    """beta of the position prior: log delta(u) reaches log(0.6) at u = 0.9, beta = -ln(0.6)/0.9 ~ 0.568."""
+    lambda_clip_single: float = 0.35
+    """Upper clip of the prior's mixing weight lambda* when there is one query row."""
+    lambda_clip_multi: float = 0.25
+    """Upper clip of lambda* with several query rows (GQA group and/or bootstrap rows)."""
+    pool_window: int = 17
+    """Max-pool the evidence over this many neighbouring cells before scoring (0/1 = off). Keeps the
+    span around a heavy cell (the value after the key a question names), see `local_pool`. Not in
+    the paper; without it a needle's digits are lost (BENCHMARKS.md, "Quality evaluation")."""
+    nms_window: int = 32
+    """Soft-NMS window over positions (cells within +-window/2 compete)."""
+    nms_strength: float = 0.0
+    """Soft-NMS suppression strength a (0 = off). The paper uses 1.0; off here because it drops the
+    neighbours of today's peaks, which the next steps read: teacher-forced agreement at 4K context,
+    k_head 512, refresh every 16 steps 0.48 with it, 0.85 without (BENCHMARKS.md, "Agreement upper bound")."""
+    cross_head_alpha: float = 0.85
+    """Strength of the cross-head exclusivity term (only used when a layer has > 2 KV heads)."""
+    cross_head_temperature: float = 2.0
+    """Temperature of the softmax over heads of the exclusivity term."""
+
+    def validate(self) -> None:
+        self.need_real("alpha", 0, above=True)
+        for name in ("w_l2", "w_pos", "nms_strength", "cross_head_alpha"):
+            self.need_real(name, 0)
+        for name in ("gamma", "pos_eta", "pos_beta"):
+            self.need_real(name)
+        self.need_real("pos_power", 0, above=True)
+        for name in ("lambda_clip_single", "lambda_clip_multi"):
+            self.need_real(name, 0, 1)
+        self.need_real("cross_head_temperature", 0, above=True)
+        self.need_int("pool_window", 0)
+        self.need_int("nms_window", 1)
+
+    @property
+    def evidence_alpha(self) -> float:
+        return self.alpha
+
+
+@dataclass(frozen=True)
+class TopKMassParams(SelectorParams):
+    """Parameters of the "topk_mass" selector (`TopKMassSelector`)."""
+
+    pool_window: int = 0
+    """Max-pool the attention mass over this many neighbouring cells before the top-k (0/1 = off)."""
+
+    def validate(self) -> None:
+        self.need_int("pool_window", 0)
+
+
+_SFI = SFISelectorParams  # the stages' defaults are the SFI Selector's
 
 
 # -- the stages ---------------------------------------------------------------------------------------
@@ -207,9 +298,9 @@ def _position_factor(n: int, beta: float, power: float, eta: float, weight: floa
     return factor
 
 
-def structural_prior(key_norms: np.ndarray, *, gamma: float = 0.5, w_l2: float = 1.0, w_pos: float = 0.7,
-                     pos_beta: float = -math.log(0.6) / 0.9, pos_power: float = 1.8, pos_eta: float = 0.4,
-                     workspace: Workspace | None = None) -> np.ndarray:
+def structural_prior(key_norms: np.ndarray, *, gamma: float = _SFI.gamma, w_l2: float = _SFI.w_l2,
+                     w_pos: float = _SFI.w_pos, pos_beta: float = _SFI.pos_beta, pos_power: float = _SFI.pos_power,
+                     pos_eta: float = _SFI.pos_eta, workspace: Workspace | None = None) -> np.ndarray:
     """Stage 2: r(k) ~ pi(k)^w_l2 delta(u_k)^w_pos, normalised over the last axis; pi = ||K||^-gamma.
 
     Small-norm keys and early positions are favoured; the prior vanishes towards the recent window.
@@ -290,8 +381,7 @@ def local_pool(f: np.ndarray, window: int, workspace: Workspace | None = None) -
     return _normalise(out)
 
 
-def soft_nms(s: np.ndarray, window: int = 32, strength: float = 1.0,
-             workspace: Workspace | None = None) -> np.ndarray:
+def soft_nms(s: np.ndarray, window: int, strength: float, workspace: Workspace | None = None) -> np.ndarray:
     """Stage 4: s'(k) = s(k) - a max(0, max_{|j-k| <= w/2} s(j) - s(k)).
 
     Local peaks keep their score; their neighbours are pushed down by their gap to the peak, so
@@ -305,7 +395,8 @@ def soft_nms(s: np.ndarray, window: int = 32, strength: float = 1.0,
     return np.subtract(s, gap, out=_buffer(workspace, "nms", s.shape))
 
 
-def cross_head_exclusivity(s: np.ndarray, alpha: float = 0.85, temperature: float = 2.0, head_axis: int = -2,
+def cross_head_exclusivity(s: np.ndarray, alpha: float = _SFI.cross_head_alpha,
+                           temperature: float = _SFI.cross_head_temperature, head_axis: int = -2,
                            workspace: Workspace | None = None) -> np.ndarray:
     """Stage 5: s''_h(k) = s'_h(k) + alpha log rho_h(k), rho_h(k) = softmax over heads of s'_h(k) / T.
 
@@ -344,6 +435,8 @@ class Selector(ABC):
     """Scores candidate cells per (layer, KV head) and keeps the best k_head of each."""
 
     name: ClassVar[str]
+    Params: ClassVar[type[SelectorParams]] = SelectorParams
+    """The dataclass of the selector's parameters (its defaults are the selector's defaults)."""
 
     def __init__(self, n_threads: int | None = None):
         self.n_threads = n_threads if n_threads is not None else min(4, os.cpu_count() or 1)
@@ -356,7 +449,8 @@ class Selector(ABC):
         """float32 [l, H, C] scores (higher = keep) of `cells` (candidates in position order) in `layers`."""
 
     @classmethod
-    def from_config(cls, config) -> Selector:
+    def from_params(cls, params: SelectorParams) -> Selector:
+        """Build from `params` (a `cls.Params`)."""
         return cls()
 
     def device_params(self, k_head: int, n_sink: int, n_recent: int) -> dict | None:
@@ -443,6 +537,8 @@ SELECTORS: dict[str, type[Selector]] = {}
 
 def register_selector(cls: type[Selector]) -> type[Selector]:
     """Class decorator: make a selector selectable by its `name` (config, CLI)."""
+    if not (isinstance(cls.Params, type) and issubclass(cls.Params, SelectorParams)):
+        raise TypeError(f"{cls.__name__}.Params must be a SelectorParams dataclass")
     SELECTORS[cls.name] = cls
     return cls
 
@@ -452,11 +548,13 @@ def selector_names() -> tuple[str, ...]:
 
 
 def make_selector(config, name: str | None = None) -> Selector:
-    """The selector named `name` (default: `config.selector`), with the parameters of `config` (an `SFIConfig`)."""
+    """The selector named `name` (default: `config.selector`) of `config` (an `SFIConfig`), with its
+    `selector_params` (another selector than the config's: with its default parameters)."""
     name = config.selector if name is None else name
     if name not in SELECTORS:
         raise ValueError(f"unknown selector {name!r}; known: {', '.join(SELECTORS)}")
-    return SELECTORS[name].from_config(config)
+    cls = SELECTORS[name]
+    return cls.from_params(config.selector_params if name == config.selector else cls.Params())
 
 
 @register_selector
@@ -465,32 +563,27 @@ class SFISelector(Selector):
     cross-head exclusivity (SPEC section 2)."""
 
     name = "sfi"
+    Params = SFISelectorParams
 
-    def __init__(self, *, alpha: float = 0.5, gamma: float = 0.5, w_l2: float = 1.0, w_pos: float = 0.7,
-                 pos_power: float = 1.8, pos_eta: float = 0.4, pos_beta: float = -math.log(0.6) / 0.9,
-                 lambda_clip_single: float = 0.35, lambda_clip_multi: float = 0.25, nms_window: int = 32,
-                 nms_strength: float = 0.0, cross_head_alpha: float = 0.85, cross_head_temperature: float = 2.0,
-                 pool_window: int = 17, n_threads: int | None = None):
+    def __init__(self, params: SFISelectorParams | None = None, *, n_threads: int | None = None, **changes):
+        """`params` (default: `SFISelectorParams()`), with `changes` (its fields, e.g. nms_strength=1.0) applied."""
         super().__init__(n_threads)
-        self.pool_window = pool_window
-        self.alpha = alpha
-        self.prior = dict(gamma=gamma, w_l2=w_l2, w_pos=w_pos, pos_beta=pos_beta, pos_power=pos_power,
-                          pos_eta=pos_eta)
-        self.lambda_clip_single = lambda_clip_single
-        self.lambda_clip_multi = lambda_clip_multi
-        self.nms_window = nms_window
-        self.nms_strength = nms_strength
-        self.cross_head_alpha = cross_head_alpha
-        self.cross_head_temperature = cross_head_temperature
+        p = replace(params or SFISelectorParams(), **changes)
+        self.params = p
+        self.pool_window = p.pool_window
+        self.alpha = p.alpha
+        self.prior = dict(gamma=p.gamma, w_l2=p.w_l2, w_pos=p.w_pos, pos_beta=p.pos_beta, pos_power=p.pos_power,
+                          pos_eta=p.pos_eta)
+        self.lambda_clip_single = p.lambda_clip_single
+        self.lambda_clip_multi = p.lambda_clip_multi
+        self.nms_window = p.nms_window
+        self.nms_strength = p.nms_strength
+        self.cross_head_alpha = p.cross_head_alpha
+        self.cross_head_temperature = p.cross_head_temperature
 
     @classmethod
-    def from_config(cls, config):
-        return cls(alpha=config.alpha, gamma=config.gamma, w_l2=config.w_l2, w_pos=config.w_pos,
-                   pos_power=config.pos_power, pos_eta=config.pos_eta, pos_beta=config.pos_beta,
-                   lambda_clip_single=config.lambda_clip_single, lambda_clip_multi=config.lambda_clip_multi,
-                   nms_window=config.nms_window, nms_strength=config.nms_strength,
-                   cross_head_alpha=config.cross_head_alpha, cross_head_temperature=config.cross_head_temperature,
-                   **({} if config.pool_window is None else {"pool_window": config.pool_window}))
+    def from_params(cls, params):
+        return cls(params)
 
     def device_params(self, k_head, n_sink, n_recent):
         if self.nms_strength:  # soft-NMS has no device version
@@ -524,14 +617,17 @@ class TopKMassSelector(Selector):
     """Plain top-k of the attention mass: the baseline the SFI Selector is compared with."""
 
     name = "topk_mass"
+    Params = TopKMassParams
 
-    def __init__(self, pool_window: int = 0, n_threads: int | None = None):
+    def __init__(self, params: TopKMassParams | None = None, *, n_threads: int | None = None, **changes):
+        """`params` (default: `TopKMassParams()`), with `changes` (its fields, e.g. pool_window=17) applied."""
         super().__init__(n_threads)
-        self.pool_window = pool_window
+        self.params = replace(params or TopKMassParams(), **changes)
+        self.pool_window = self.params.pool_window
 
     @classmethod
-    def from_config(cls, config):
-        return cls(pool_window=config.pool_window or 0)
+    def from_params(cls, params):
+        return cls(params)
 
     def score(self, export, layers, cells, workspace=None):
         mass = np.asarray(export.require("mass")[layers][..., cells], dtype=_F32)

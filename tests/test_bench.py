@@ -7,6 +7,7 @@ import pytest
 from sfi_gguf.tools.bench import (
     build_parser, config_overrides, forced_tokens_digest, load_confidence_trace, run_bench, text_tokens, trace_top1,
 )
+from sfi_gguf.cli import sfi_config_from_args
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
@@ -95,12 +96,8 @@ def test_a_committed_trace_matches_the_bench_text_of_this_python(model):
 
 def test_a_row_records_the_settings_that_differ_from_the_defaults(model):
     # the CLI's defaults are SFIConfig's: a run without SFI flags has no overrides
-    args = build_parser().parse_args([])
-    cli_default = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy,
-                            selection_delay=args.selection_delay, min_context=args.min_context,
-                            refresh_interval=args.refresh_interval, confidence_floor=args.confidence_floor,
-                            n_candidates=args.n_candidates, refresh_layer_groups=args.refresh_layer_groups)
-    assert config_overrides(cli_default) == {}
+    cli_default = sfi_config_from_args(build_parser().parse_args([]))
+    assert cli_default == SFIConfig() and config_overrides(cli_default) == {}
     config = SFIConfig(k_head=64, n_recent=64, min_context=0, confidence_floor=0.0)
     assert config_overrides(config) == {"k_head": 64, "n_recent": 64, "min_context": 0, "confidence_floor": 0.0}
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, log=lambda _: None)[0]

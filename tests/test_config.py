@@ -1,29 +1,33 @@
-"""SFIConfig: defaults, the context-scaled budget, validation."""
+"""SFIConfig: defaults, the context-scaled budget, validation, the parameters of the policy and selector."""
 import dataclasses
 import math
 
 import pytest
 
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.policy import POLICIES
-from sfi_gguf.selector import SELECTORS, make_selector
+from sfi_gguf.config import SFIConfig, parameter_owners
+from sfi_gguf.params import Params
+from sfi_gguf.policy import POLICIES, FixedParams, PolicyParams, PunctuationParams
+from sfi_gguf.selector import SELECTORS, SelectorParams, SFISelectorParams, TopKMassParams, make_selector
 
 
 def test_defaults_follow_the_spec():
     c = SFIConfig()
-    assert (c.n_sink, c.k_head, c.n_recent, c.min_context) == (4, None, 256, None)
-    assert (c.policy, c.cooldown, c.min_gap, c.refresh_interval, c.n_prefill_queries) == \
-        ("punctuation", 2, 16, 64, 16)
+    assert (c.n_sink, c.k_head, c.n_recent, c.min_context, c.n_prefill_queries) == (4, None, 256, None, 16)
+    p = c.policy_params
+    assert (c.policy, type(p), p.cooldown, p.min_gap, p.refresh_interval) == ("punctuation", PunctuationParams, 2, 16, 64)
     # our additions to the trigger, measured in BENCHMARKS.md ("Trigger placement")
-    assert (c.sentence_offset, c.warmup_refresh, c.confidence_floor) == (0, 8, 0.5)
-    assert (c.selector, c.alpha, c.gamma, c.w_l2, c.w_pos, c.pos_power, c.pos_eta) == \
-        ("sfi", 0.5, 0.5, 1.0, 0.7, 1.8, 0.4)
-    assert c.pos_beta == pytest.approx(-math.log(0.6) / 0.9) and c.pos_beta == pytest.approx(0.568, abs=1e-3)
-    assert (c.lambda_clip_single, c.lambda_clip_multi) == (0.35, 0.25)
-    assert (c.nms_window, c.cross_head_alpha, c.cross_head_temperature) == (32, 0.85, 2.0)
+    assert (p.sentence_offset, p.warmup_refresh, p.confidence_floor) == (0, 8, 0.5)
+    s = c.selector_params
+    assert (c.selector, type(s), s.alpha, s.gamma, s.w_l2, s.w_pos, s.pos_power, s.pos_eta) == \
+        ("sfi", SFISelectorParams, 0.5, 0.5, 1.0, 0.7, 1.8, 0.4)
+    assert s.pos_beta == pytest.approx(-math.log(0.6) / 0.9) and s.pos_beta == pytest.approx(0.568, abs=1e-3)
+    assert (s.lambda_clip_single, s.lambda_clip_multi) == (0.35, 0.25)
+    assert (s.nms_window, s.cross_head_alpha, s.cross_head_temperature) == (32, 0.85, 2.0)
     # our deviations, measured in BENCHMARKS.md: soft-NMS off (the paper: strength 1.0), evidence pooling on
-    assert (c.nms_strength, c.pool_window) == (0.0, None)
+    assert (s.nms_strength, s.pool_window) == (0.0, 17)
     assert make_selector(c).pool_window == 17 and make_selector(c, "topk_mass").pool_window == 0
+    assert SFIConfig(policy="fixed").policy_params == FixedParams(fixed_period=64)
+    assert SFIConfig(selector="topk_mass").selector_params == TopKMassParams(pool_window=0)
 
 
 @pytest.mark.parametrize("n_context,k_head", [
@@ -51,7 +55,7 @@ def test_short_contexts_stay_dense():
     assert SFIConfig(policy="dense").stays_dense(1_000_000)
 
 
-@pytest.mark.parametrize("field,value", [
+@pytest.mark.parametrize("field,value", [  # the parameters of the policy and selector: in their Params' message
     ("n_sink", -1), ("n_recent", -5), ("n_sink", 1.5), ("n_sink", True), ("k_head", 0), ("k_head", -64),
     ("k_head", 2048.0), ("min_context", -1), ("cooldown", -1), ("min_gap", -1), ("refresh_interval", 0),
     ("fixed_period", 0), ("n_prefill_queries", 0), ("nms_window", 0), ("policy", "nope"), ("selector", "nope"),
@@ -61,7 +65,8 @@ def test_short_contexts_stay_dense():
     ("sentence_offset", -1), ("warmup_refresh", -1), ("confidence_floor", 1.5), ("confidence_floor", -0.1),
 ])
 def test_invalid_values_raise_naming_the_parameter(field, value):
-    with pytest.raises(ValueError, match=rf"SFIConfig\.{field}="):
+    owner = "SFIConfig" if field in {f.name for f in dataclasses.fields(SFIConfig)} else r"\w+Params"
+    with pytest.raises(ValueError, match=rf"^{owner}\.{field}="):
         SFIConfig(**{field: value})
 
 
@@ -75,13 +80,89 @@ def test_validate_rechecks_a_modified_config():
 
 def test_replace_validates_and_refuses_unknown_names():
     c = SFIConfig().replace(policy="fixed", fixed_period=32)
-    assert (c.policy, c.fixed_period) == ("fixed", 32)
+    assert (c.policy, c.policy_params) == ("fixed", FixedParams(fixed_period=32))
     with pytest.raises(ValueError, match="min_gap"):
         c.replace(min_gap=-3)
     with pytest.raises(ValueError, match="no parameter k_heads"):
         c.replace(k_heads=5)
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.n_sink = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.policy_params.fixed_period = 8
+    # the same policy keeps its parameters; a new one starts from its defaults
+    assert c.replace(k_head=64).policy_params.fixed_period == 32
+    assert c.replace(policy="punctuation").policy_params == PunctuationParams()
+    assert c.replace(fixed_period=8) == SFIConfig(policy="fixed", fixed_period=8)
+    tuned = SFIConfig(alpha=0.25, pool_window=5)
+    assert tuned.replace(n_recent=64).selector_params == SFISelectorParams(alpha=0.25, pool_window=5)
+    assert tuned.replace(selector="topk_mass").selector_params == TopKMassParams()
+    assert dataclasses.replace(tuned, device_selector=True).selector_params is tuned.selector_params
+
+
+def test_flat_keywords_route_into_the_params_of_the_named_policy_and_selector():
+    c = SFIConfig(policy="punctuation", min_gap=8, refresh_interval=32, selector="sfi", nms_strength=1.0)
+    assert c.policy_params == PunctuationParams(min_gap=8, refresh_interval=32)
+    assert c.selector_params == SFISelectorParams(nms_strength=1.0)
+    assert SFIConfig(policy="fixed", fixed_period=8).policy_params == FixedParams(8)
+    assert SFIConfig(selector="topk_mass", pool_window=9).selector_params == TopKMassParams(9)
+    # None: the parameter's default (the CLI and old callers pass pool_window=None)
+    assert SFIConfig(pool_window=None) == SFIConfig() and SFIConfig(selector="topk_mass", pool_window=None) == \
+        SFIConfig(selector="topk_mass")
+    # a nested object or a dict of its fields, with flat keywords on top
+    assert SFIConfig(policy_params=PunctuationParams(cooldown=1), min_gap=4).policy_params == \
+        PunctuationParams(cooldown=1, min_gap=4)
+    assert SFIConfig(policy="fixed", policy_params={"fixed_period": 3}) == SFIConfig(policy="fixed", fixed_period=3)
+    # another registered policy's parameter: checked, then without effect (the fixed policy reads no T_max)
+    assert SFIConfig(policy="fixed", refresh_interval=32) == SFIConfig(policy="fixed")
+    assert SFIConfig(policy="static", fixed_period=8, nms_window=4, selector="topk_mass").overrides() == \
+        {"policy": "static", "selector": "topk_mass"}
+    with pytest.raises(ValueError, match=r"^PunctuationParams\.refresh_interval=0"):
+        SFIConfig(policy="fixed", refresh_interval=0)
+
+
+def test_unknown_and_misplaced_parameters_raise_clearly():
+    with pytest.raises(ValueError, match=r"unknown SFIConfig field or parameter 'refresh_intervall'.*known: .*refresh_interval"):
+        SFIConfig(refresh_intervall=32)
+    with pytest.raises(ValueError, match=r"SFIConfig\.policy_params: FixedParams has no parameter period"):
+        SFIConfig(policy="fixed", policy_params={"period": 3})
+    with pytest.raises(ValueError, match=r"SFIConfig\.policy_params=.*must be a FixedParams"):
+        SFIConfig(policy="fixed", policy_params=PunctuationParams())
+    with pytest.raises(ValueError, match=r"SFIConfig\.selector_params=.*must be a TopKMassParams"):
+        SFIConfig(selector="topk_mass", selector_params=SFISelectorParams())
+    with pytest.raises(ValueError, match=r"SFIConfig\.policy='nope'"):
+        SFIConfig(policy="nope", min_gap=3)
+    with pytest.raises(TypeError):
+        PunctuationParams(period=3)
+
+
+def test_overrides_name_what_differs_from_the_defaults():
+    assert SFIConfig().overrides() == {}
+    assert SFIConfig(k_head=64, confidence_floor=0.0, alpha=0.25).overrides() == \
+        {"k_head": 64, "confidence_floor": 0.0, "alpha": 0.25}
+    assert SFIConfig(policy="fixed", fixed_period=8).overrides() == {"policy": "fixed", "fixed_period": 8}
+    c = SFIConfig(policy="fixed", fixed_period=8, n_recent=32, nms_strength=1.0)
+    assert SFIConfig(**c.overrides()) == c  # keywords that rebuild the config
+
+
+def test_each_policy_and_selector_owns_one_params_dataclass_with_its_defaults():
+    for registry, base in ((POLICIES, PolicyParams), (SELECTORS, SelectorParams)):
+        for name, cls in registry.items():
+            assert issubclass(cls.Params, base) and dataclasses.is_dataclass(cls.Params), name
+            assert cls.Params.__dataclass_params__.frozen, name
+            defaults = cls.Params()
+            defaults.validate()
+            field = "policy" if registry is POLICIES else "selector"
+            assert getattr(SFIConfig(**{field: name}), f"{field}_params") == defaults
+    # a parameter name means one thing: never a field of SFIConfig itself
+    config_fields = {f.name for f in dataclasses.fields(SFIConfig)}
+    assert not config_fields & set(parameter_owners())
+    assert parameter_owners()["pool_window"] == [SFISelectorParams, TopKMassParams]
+    assert issubclass(PolicyParams, Params)
+
+
+def test_dense_is_a_registered_policy():
+    assert SFIConfig(policy="dense").dense and not SFIConfig().dense
+    assert [name for name in POLICIES if SFIConfig(policy=name).dense] == ["dense"]
 
 
 def test_every_registered_policy_and_selector_name_is_valid():

@@ -179,9 +179,11 @@ def test_k_head_larger_than_the_context(tiny_path, monkeypatch):
 
 def test_huge_budgets_do_not_allocate_beyond_the_context(tiny_path):
     """refresh_interval 2**40 would ask for a tail of 2**41 cells (wrapping in int32): the native
-    capacities are capped at n_ctx."""
+    capacities are capped at n_ctx. (No refresh but the bootstrap: the gap and T_max are huge, no
+    warm-up, no confidence trigger.)"""
     with make(tiny_path, sfi=SFIConfig(k_head=64, n_recent=32, refresh_interval=2**40, n_prefill_queries=2**33,
-                                       policy="static")) as llm:
+                                       policy="punctuation", min_gap=2**40, warmup_refresh=0,
+                                       confidence_floor=0.0)) as llm:
         out = llm.generate(prompt_tokens(), max_tokens=8, temperature=0)
         assert out.stats.sfi.n_fast == 7
         assert llm._sfi_native.params["n_tail_max"] == N_CTX and llm._sfi_native.params["n_query_rows"] == N_CTX

@@ -18,6 +18,7 @@ import os
 import json
 import platform
 import subprocess
+import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -75,10 +76,8 @@ class BenchRow:
 
 
 def config_overrides(config: SFIConfig) -> dict:
-    """The fields of `config` that differ from `SFIConfig()`'s: {} for a run with the defaults."""
-    default = SFIConfig()
-    return {f.name: getattr(config, f.name) for f in dataclasses.fields(SFIConfig)
-            if getattr(config, f.name) != getattr(default, f.name)}
+    """The fields and parameters of `config` that differ from `SFIConfig()`'s: {} for a run with the defaults."""
+    return config.overrides()
 
 
 def hardware(n_gpu_layers: int, n_gpus: int = 1) -> str:
@@ -394,7 +393,8 @@ def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
 # -- command line ----------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..policy import POLICIES
+    from ..cli import add_sfi_args
+    from ..policy import POLICIES, MemoryMode
     from .random_model import SHAPES, WEIGHT_TYPES
 
     p = argparse.ArgumentParser(
@@ -419,29 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="several GPUs: layer (whole layers per GPU, llama.cpp's default) or none (one GPU)")
     p.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
                    help="auto: on with a GPU, off on the CPU (the faster dense setting there)")
-    p.add_argument("--k-head", type=int, default=SFIConfig.k_head,
-                   help="selected cells per KV head (default: SFIConfig's, 2048 from 8K cells on)")
-    p.add_argument("--n-sink", type=int, default=SFIConfig.n_sink)
-    p.add_argument("--n-recent", type=int, default=SFIConfig.n_recent)
-    p.add_argument("--policy", default=SFIConfig.policy, choices=[n for n in POLICIES if n != "dense"])
-    p.add_argument("--selection-delay", type=int, default=SFIConfig.selection_delay,
-                   help="fast steps until a new selection is loaded, the Selector running in the background "
-                        "meanwhile (default 0; see SFIConfig.selection_delay)")
-    p.add_argument("--min-context", type=int, default=None,
-                   help="SFI starts at this context (default: 32K with offloaded layers, else the budget)")
-    p.add_argument("--n-candidates", type=int, default=None,
-                   help="cells per layer a slow step picks on the device for the Selector (default: 4 x k_head "
-                        "at long context, else every cell; see SFIConfig.n_candidates)")
-    p.add_argument("--device-selector", choices=["auto", "on", "off"], default="auto",
-                   help="run the Selector in the slow step's graph (auto: with offloaded layers; see "
-                        "SFIConfig.device_selector)")
-    p.add_argument("--refresh-layer-groups", type=int, default=SFIConfig.refresh_layer_groups,
-                   help="a device-Selector refresh renews one of this many groups of layers in turn (see "
-                        "SFIConfig.refresh_layer_groups)")
-    p.add_argument("--refresh-interval", type=int, default=SFIConfig.refresh_interval, help="T_max of the punctuation policy")
-    p.add_argument("--confidence-floor", type=float, default=SFIConfig.confidence_floor,
-                   help="slow step when the top-1 probability falls below this (0: never). A random-weight "
-                        "model is never sure, so with it this fires every min_gap steps: its worst case")
+    add_sfi_args(p, dense=False, policies=[n for n, c in POLICIES.items() if c.memory is not MemoryMode.DENSE])
     p.add_argument("--confidence-trace", default=None,
                    help="JSON of a trained model's top-1 probabilities on the bench's text "
                         "(benchmarks/confidence_trace.py): the trigger reads those instead of the benchmarked "
@@ -457,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """`sfi-gguf bench ARGS`."""
+    from ..cli import sfi_config_from_args
     from .random_model import SHAPES, random_model
 
     args = build_parser().parse_args(argv)
@@ -467,12 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         shape, weight_type = model, args.weight_type
         extra = {"vocab_source": args.vocab_source} if args.vocab_source else {}
         model = random_model(model, weight_type=args.weight_type, **extra)
-    config = SFIConfig(k_head=args.k_head, n_sink=args.n_sink, n_recent=args.n_recent, policy=args.policy,
-                       selection_delay=args.selection_delay,
-                       min_context=args.min_context, refresh_interval=args.refresh_interval,
-                       confidence_floor=args.confidence_floor,
-                       device_selector={"auto": None, "on": True, "off": False}[args.device_selector],
-                       n_candidates=args.n_candidates, refresh_layer_groups=args.refresh_layer_groups)
+    config = sfi_config_from_args(args, warn=lambda text: print(f"sfi-gguf bench: warning: {text}", file=sys.stderr))
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
     trace = None
