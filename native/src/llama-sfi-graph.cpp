@@ -184,9 +184,13 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
                 std::vector<int32_t> shared = llama_sfi_cells_outside(cells, seq, range);
                 shared.resize(n_shared, shared.empty() ? 0 : shared.back());
 
+                // the stream's n_rep rows in one copy (the tensor may live on a device: one transfer, not n_rep)
+                std::vector<int32_t> rows(n_rep*n_shared);
                 for (int64_t r = 0; r < n_rep; ++r) {
-                    ggml_backend_tensor_set(inp.shared, shared.data(), (j*n_rep + r)*inp.shared->nb[1], n_shared*sizeof(int32_t));
+                    std::copy(shared.begin(), shared.end(), rows.begin() + r*n_shared);
                 }
+                GGML_ASSERT(inp.shared->nb[1] == n_shared*sizeof(int32_t));
+                ggml_backend_tensor_set(inp.shared, rows.data(), j*n_rep*inp.shared->nb[1], rows.size()*sizeof(int32_t));
             }
         }
     }

@@ -14,6 +14,7 @@
 
 static constexpr int    SFI_CELLS_PER_BLOCK   = 256; // threads of a scores block, one cell each
 static constexpr int    SFI_ROWS_PER_PASS     = 8;   // query rows a thread accumulates at a time
+static constexpr int    SFI_WARP_BLOCK_THREADS = 128; // sfi_evidence_scores_warp: 4 warps of 64 cells each
 static constexpr int    SFI_ROW_THREADS       = 256;
 static constexpr int    SFI_EVIDENCE_THREADS  = 256;
 static constexpr size_t SFI_Q_SHARED_MAX      = 46*1024; // of the 48 KB a block may take, with the reduction's
@@ -142,6 +143,161 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
     }
 }
 
+// one step of a butterfly sum over the warp of 2*O values per lane: the lanes with bit O set keep the upper half of
+// their values, the others the lower, each adding its partner's; after the steps O = 16 .. 1 lane l holds the sum of
+// every lane's value l
+template <int O>
+static __device__ __forceinline__ void sfi_butterfly(float * v, const int lane) {
+    const bool upper = lane & O;
+#pragma unroll
+    for (int i = 0; i < O; ++i) {
+        const float send = upper ? v[i] : v[i + O];
+        const float keep = upper ? v[i + O] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffff, send, O);
+    }
+    if constexpr (O > 1) {
+        sfi_butterfly<O/2>(v, lane);
+    }
+}
+
+// the same for a decode step's few query rows (n_q <= NQ <= 8), as flash attention reads keys: a warp reads whole key
+// rows (each lane D/32 of a row's elements), the query rows in registers, 32/NQ cells at a time; the 32 partial
+// dot products of each lane (cells x rows) are summed over the warp by a butterfly that leaves lane l with value l
+// (31 shuffles for 32 sums). Each lane keeps the running max and sum of exp of its row for the block's part.
+template <int D, int NQ, typename TM>
+static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_scores_warp(
+        const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
+        float * __restrict__ scores, float2 * __restrict__ parts,
+        const int n_q, const int n_rows, const int n_kv, const int n_head_kv, const int b0, const int nm,
+        const float softcap,
+        const size_t nbq1, const size_t nbq2, const size_t nbq3,
+        const size_t nbk1, const size_t nbk2, const size_t nbk3,
+        const size_t nbm0, const size_t nbm1, const size_t nbm3) {
+    constexpr int E   = D/WARP_SIZE;       // elements of a key row per lane
+    constexpr int CPI = WARP_SIZE/NQ;      // cells per iteration: CPI*NQ = 32 sums
+    constexpr int N_WARPS = SFI_WARP_BLOCK_THREADS/WARP_SIZE;
+    constexpr int CELLS_PER_WARP = SFI_CELLS_PER_BLOCK/N_WARPS;
+    static_assert(CELLS_PER_WARP % CPI == 0, "a warp's cells come in whole iterations");
+
+    const int h    = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int bl   = blockIdx.z;
+    const int b    = b0 + bl;
+
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+
+    // the lane's elements of each query row, rounded to F16 as the attention rounds them (rows past n_q: zeros)
+    float qr[NQ][E];
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            qr[j][e] = j < n_q ? __half2float(__float2half_rn(
+                *(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + (lane*E + e)*sizeof(float)))) : 0.0f;
+        }
+    }
+
+    const size_t pair = (size_t) bl*n_head_kv + h;
+
+    float * s_out = scores + pair*n_q*n_kv;
+    const char * k_base = k + h*nbk2 + b*nbk3 + lane*E*sizeof(half);
+    const char * m_base = mask + (b % nm)*nbm3;
+
+    // after the butterfly, lane l holds the sum of value l = cell*NQ + row
+    const int my_row  = lane % NQ;
+    const int my_cell = lane / NQ;
+
+    float run_max = -INFINITY;
+    float run_sum = 0.0f;
+
+    const int c_warp = tile*SFI_CELLS_PER_BLOCK + warp*CELLS_PER_WARP;
+
+    for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
+        const int c0 = c_warp + it;
+
+        // the CPI keys' elements of this lane: all loads first
+        half2 kh[CPI][E/2];
+#pragma unroll
+        for (int i = 0; i < CPI; ++i) {
+            const int c = min(c0 + i, n_kv - 1);
+            if constexpr (E == 2) {
+                *(uint32_t *) kh[i] = *(const uint32_t *) (k_base + (size_t) c*nbk1);
+            } else if constexpr (E == 4) {
+                *(uint2 *) kh[i] = *(const uint2 *) (k_base + (size_t) c*nbk1);
+            } else {
+                *(uint4 *) kh[i] = *(const uint4 *) (k_base + (size_t) c*nbk1);
+            }
+        }
+
+        float v[WARP_SIZE];
+#pragma unroll
+        for (int i = 0; i < CPI; ++i) {
+            float kf[E];
+#pragma unroll
+            for (int e = 0; e < E/2; ++e) {
+                const float2 f = __half22float2(kh[i][e]);
+                kf[2*e]     = f.x;
+                kf[2*e + 1] = f.y;
+            }
+#pragma unroll
+            for (int j = 0; j < NQ; ++j) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    acc += qr[j][e]*kf[e];
+                }
+                v[i*NQ + j] = acc;
+            }
+        }
+
+        sfi_butterfly<WARP_SIZE/2>(v, lane);
+
+        const int c = c0 + my_cell;
+        if (c < n_kv && my_row < n_q) {
+            float s = softcap > 0.0f ? softcap*tanhf(v[0]) : v[0];
+            s += sfi_to_float(*(const TM *) (m_base + c*nbm0 + (my_row % n_rows)*nbm1));
+            s_out[(size_t) my_row*n_kv + c] = s;
+            if (s > run_max) {
+                run_sum = run_sum*expf(run_max - s) + 1.0f;
+                run_max = s;
+            } else if (s != -INFINITY) {
+                run_sum += expf(s - run_max);
+            }
+        }
+    }
+
+    // the block's (max, sum) per row: first over the lanes of a row (lanes l = row mod NQ), then over the warps
+#pragma unroll
+    for (int o = NQ; o < WARP_SIZE; o <<= 1) {
+        const float m2 = __shfl_xor_sync(0xffffffff, run_max, o);
+        const float s2 = __shfl_xor_sync(0xffffffff, run_sum, o);
+        const float m  = fmaxf(run_max, m2);
+        run_sum = (run_max == -INFINITY ? 0.0f : run_sum*expf(run_max - m)) + (m2 == -INFINITY ? 0.0f : s2*expf(m2 - m));
+        run_max = m;
+    }
+
+    __shared__ float2 part_s[N_WARPS][NQ];
+    if (lane < NQ) {
+        part_s[warp][lane] = make_float2(run_max, run_sum);
+    }
+    __syncthreads();
+    if (threadIdx.x < NQ && threadIdx.x < n_q) {
+        float m = -INFINITY;
+        for (int w = 0; w < N_WARPS; ++w) {
+            m = fmaxf(m, part_s[w][threadIdx.x].x);
+        }
+        float sum = 0.0f;
+        if (m != -INFINITY) {
+            for (int w = 0; w < N_WARPS; ++w) {
+                const float2 pw = part_s[w][threadIdx.x];
+                sum += pw.x == -INFINITY ? 0.0f : pw.y*expf(pw.x - m);
+            }
+        }
+        parts[(pair*gridDim.y + tile)*n_q + threadIdx.x] = make_float2(m, sum);
+    }
+}
+
 // per row (j, h, bl): its max and sum^-alpha of exp(s - max), merged from the n_parts blocks' (max, sum); max
 // -INFINITY for a row whose cells are all excluded
 static __global__ void sfi_evidence_row_stats(const float2 * __restrict__ parts, float2 * __restrict__ stats,
@@ -237,6 +393,35 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
     const int n_head_kv = k->ne[2];
 
     const dim3 grid(n_head_kv, (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK, nbl);
+
+    // a decode step's few rows: the warp kernel (keys read as flash attention reads them)
+    if (n_q <= 8) {
+        const dim3 grid_w(n_head_kv, (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK, nbl);
+        auto launch = [&](auto nq) {
+            constexpr int NQ = decltype(nq)::value;
+            if (mask->type == GGML_TYPE_F16) {
+                sfi_evidence_scores_warp<D, NQ, half><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                    n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
+                    q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
+            } else {
+                sfi_evidence_scores_warp<D, NQ, float><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                    n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
+                    q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
+            }
+        };
+        if (n_q <= 1) {
+            launch(std::integral_constant<int, 1>());
+        } else if (n_q <= 2) {
+            launch(std::integral_constant<int, 2>());
+        } else if (n_q <= 4) {
+            launch(std::integral_constant<int, 4>());
+        } else {
+            launch(std::integral_constant<int, 8>());
+        }
+        return;
+    }
 
     // the query rows that fit in shared memory at a time (every row of a decode step; the keys are read again per
     // chunk only for the many rows of a prompt's bootstrap)
