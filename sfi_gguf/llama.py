@@ -1,7 +1,6 @@
 """`SFILlama`: the user-facing model object."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -12,23 +11,14 @@ from . import openai_api
 from ._native import llama_cpp
 from .config import SFIConfig
 from .context import ContextError, LlamaContext, default_threads
-from .generate import Completion, DenseStepper, GenerationStats, run_generation
+from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_fits as _check_fits,  # noqa: F401
+                     check_split as _check_split, sfi_config as _sfi_config)
+from .generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
 from .sampling import Sampler, SamplingParams, is_int
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
-
-# With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
-# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Where SFI
-# starts on a GPU": at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for
-# Qwen3-8B Q4_K_M, 1.02x).
-GPU_MIN_CONTEXT = 32768
-
-# Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise): the H200 measured 1.28x batched dense at 16 x 32K and
-# 2.05x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
-GPU_BATCHED_MIN_CONTEXT = 32768
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
@@ -112,8 +102,7 @@ class SFILlama:
             raise
         self._generation = 0  # bumped by every generate(): a stream from an earlier call must not decode
         self.last_stats: GenerationStats | None = None
-        self._sfi_native = None
-        self._pieces = None
+        self._engine = SFIEngine(self._ctx, n_gpu_layers, split_mode)
         self._chat_formatter = None
         self._batched = None  # BatchedDecoder, created by the first generate_batch
 
@@ -146,9 +135,7 @@ class SFILlama:
             if self._batched is not None:
                 self._batched.close()
                 self._batched = None
-            if self._sfi_native is not None:
-                self._sfi_native.free()
-                self._sfi_native = None
+            self._engine.close()
             self._ctx.close()
 
     @_serialised
@@ -218,64 +205,22 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
+    @property
+    def _sfi_native(self):
+        """The native SFI state (`native.SFINative`), once a stepper created it."""
+        return self._engine.native
+
     @_serialised
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
-        if self.n_gpu_layers and config.device_selector is None:
-            # offloaded layers: the Selector runs in the slow step's graph (BENCHMARKS.md, "Speed on the GPU")
-            config = dataclasses.replace(config, device_selector=True)
-        if self.n_gpu_layers and config.min_context is None and batched:
-            return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
-        if self.n_gpu_layers and config.min_context is None:
-            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
-            # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU")
-            return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
-        return config
+        return self._engine.effective_config(config, batched)
 
     def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None, batched: bool = False):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
 
         ctx: the sequence to step (default: the first); batched generation passes each slot's.
         """
-        from .native import SFINative, SFISequence
-
-        config = config or self.sfi_config
-        ctx = ctx or self._ctx
-        if config.policy == "dense":
-            if self._sfi_native is not None and self._sfi_native._initialized:
-                self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
-            return DenseStepper(ctx)
-        _check_fits(config, self.n_ctx)
-        _check_split(config, self.split_mode)
-        config = self.effective_config(config, batched)
-        from .boundary import PieceTable
-        from .policy import make_policy
-        from .selector import make_selector
-        from .sfi import SFIStepper
-
-        # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
-        # buffers (allocated for the capacity) bounded, and the values inside int32
-        n_ctx = self.n_ctx
-        n_tail_max = min(n_ctx, max(256, 2 * config.refresh_interval))
-        # a delayed selection keeps every cell that entered its range since it was chosen as recent
-        # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap
-        # refresh) and the slow step's token beyond n_recent
-        stretch = config.selection_delay + n_tail_max + 1 if config.selection_delay else 0
-        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
-                      n_tail_max=n_tail_max,
-                      n_query_rows=min(n_ctx, config.n_prefill_queries),
-                      evidence_alpha=config.alpha, export_key_norms=True)
-        if self._sfi_native is None:
-            self._sfi_native = SFINative(self._ctx.ctx, **params)
-        elif not self._sfi_native._initialized or any(self._sfi_native.params[k] != v for k, v in params.items()):
-            self._sfi_native.init(**params)  # the config changed since (new budgets), or a re-init failed
-        if self._pieces is None and config.policy == "punctuation":
-            self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
-        native = self._sfi_native
-        if self._ctx.n_seq_max > 1:
-            native = SFISequence(native, ctx.seq)
-        return SFIStepper(ctx, native, config, make_policy(config, self._pieces), make_selector(config))
+        return self._engine.stepper(config or self.sfi_config, ctx, batched)
 
     @_serialised
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
@@ -412,24 +357,6 @@ class SFILlama:
         return openai_api.create_chat_completion(self, messages, *args, **kwargs)
 
 
-def _sfi_config(sfi) -> SFIConfig:
-    if sfi is True or sfi is None:
-        return SFIConfig()
-    if sfi is False:
-        return SFIConfig(policy="dense")
-    if isinstance(sfi, str):
-        return SFIConfig(policy=sfi)
-    if isinstance(sfi, SFIConfig):
-        return sfi
-    if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request
-        fields = {f.name for f in dataclasses.fields(SFIConfig)}
-        unknown = set(sfi) - fields
-        if unknown:
-            raise ValueError(f"unknown SFIConfig field(s) {sorted(unknown)}; known: {', '.join(sorted(fields))}")
-        return SFIConfig(**sfi)
-    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig fields or a bool, got {sfi!r}")
-
-
 def _normalize_message(m: Message) -> Message:
     """OpenAI-style message -> what a chat template expects (content a string)."""
     if not isinstance(m, dict) or "role" not in m:
@@ -474,24 +401,6 @@ def _check_flags(**flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_fits(config: SFIConfig, n_ctx: int) -> None:
-    """An explicit k_head above the context cannot be what the caller meant: say so, naming it.
-
-    (k_head == n_ctx is fine: a budget covering the whole context, used to compare with dense.)
-    """
-    if config.policy != "dense" and config.k_head is not None and config.k_head > n_ctx:
-        raise ValueError(f"SFIConfig.k_head={config.k_head}: larger than the context (n_ctx={n_ctx}); "
-                         "use k_head <= n_ctx, or k_head=None to scale it to the context")
-
-
-def _check_split(config: SFIConfig, split_mode: str) -> None:
-    """SFI gathers each layer's selected cells on the device that holds the layer's KV cache; with
-    split_mode "row" the matrices of a layer are split across GPUs, a layout SFI is not built or tested for."""
-    if config.policy != "dense" and split_mode == "row":
-        raise ValueError("split_mode='row' is not supported with SFI; use split_mode='layer' (whole layers per GPU, "
-                         "the default) or 'none', or sfi=False for dense decoding")
 
 
 def _closing(pieces: Iterator[str], sampler: Sampler, owner: "SFILlama", generation: int) -> Iterator[str]:
