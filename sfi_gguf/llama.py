@@ -155,13 +155,14 @@ class SFILlama:
         return self._ctx.detokenize(tokens)
 
     @_serialised
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
         """The GGUF's chat template applied to messages.
 
         Rendered with Jinja exactly as llama-cpp-python's `Llama.create_chat_completion` (and
         transformers) do, so prompts, default system prompts included, are the same token for token.
         A message's content may be None or a list of text parts; other keys (tool_calls, name ...) go
-        to the template as they are.
+        to the template as they are. `tools` (OpenAI tool objects) go to the template's `tools`.
         """
         template = self._ctx.chat_template()
         if template is None:
@@ -180,11 +181,13 @@ class SFILlama:
                                             bos_token=text(llama_cpp.llama_vocab_bos(self._ctx.vocab)),
                                             add_generation_prompt=add_generation_prompt)
             self._chat_formatter = (key, formatter)
-        return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages]).prompt
+        return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages],
+                                       tools=list(tools) if tools else None).prompt
 
     @_serialised
-    def prompt_tokens(self, prompt: Prompt) -> list[int]:
-        """A prompt as tokens: text is tokenized, messages are chat-formatted, token ids pass through."""
+    def prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
+        """A prompt as tokens: text is tokenized, messages are chat-formatted (with `tools`), token ids pass
+        through."""
         if isinstance(prompt, str):
             return self.tokenize(prompt)
         if not len(prompt):  # [] is neither messages nor tokens: say what is wrong, not "no chat template"
@@ -194,7 +197,7 @@ class SFILlama:
             if bad:
                 raise ValueError(f"token ids out of range [0, {self._ctx.n_vocab}): {bad[:5]}")
             return list(prompt)
-        text = self.apply_chat_template(prompt)
+        text = self.apply_chat_template(prompt, tools=tools)
         return self._ctx.tokenize(text, add_special=not self._starts_with_bos(text))
 
     def _starts_with_bos(self, text: str) -> bool:
@@ -228,7 +231,7 @@ class SFILlama:
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
-                 cancel: threading.Event | None = None) -> Union[Completion, Iterator[str]]:
+                 cancel: threading.Event | None = None, grammar=None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
@@ -237,6 +240,8 @@ class SFILlama:
         log-probability and the n most likely tokens (not with stream=True). `sfi` overrides the
         model's `sfi_config` for this call only. `cancel` (a threading.Event) set from another thread
         ends the generation before its next token (finish_reason "stop"): a server's client went away.
+        `grammar` (a `llama_cpp.LlamaGrammar` or GBNF text) constrains the tokens with llama.cpp's grammar
+        sampler (`LlamaGrammar.from_json_schema` turns a JSON schema into one).
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -259,7 +264,8 @@ class SFILlama:
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
-        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs)
+        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
+                          vocab=self._ctx.vocab)
         stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
@@ -312,8 +318,10 @@ class SFILlama:
                       top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                       min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None):
-        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`: as there)."""
+                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None,
+                      grammar=None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`: as
+        there)."""
         from .batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
@@ -327,7 +335,9 @@ class SFILlama:
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
                                 presence_penalty=presence_penalty)
         params.validate()
-        return Request(tokens=tokens, sampler=Sampler(params, self._ctx.n_vocab, logprobs=logprobs), max_tokens=max_tokens,
+        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
+                          vocab=self._ctx.vocab)
+        return Request(tokens=tokens, sampler=sampler, max_tokens=max_tokens,
                        stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel)
 
     @_serialised

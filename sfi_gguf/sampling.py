@@ -75,9 +75,13 @@ class Sampler:
     `logprobs` n (not None): every sampled token is recorded in `self.logprobs` as
     (token, its log-probability, [(token, log-probability)] of the n most likely tokens), from the raw
     logits (before penalties and temperature), as llama-cpp-python reports them.
+    `grammar` (GBNF text, root rule "root"; needs `vocab`): llama.cpp's grammar sampler in the chain, after
+    the penalties, as llama-cpp-python places it: only tokens the grammar allows are sampled, and once it
+    is complete only end-of-generation.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None,
+                 grammar: str | None = None, vocab=None):
         params.validate()
         if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
@@ -85,9 +89,17 @@ class Sampler:
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         # plain greedy reads the logits in place (an argmax over a zero-copy view): llama_sampler_sample
         # would first build a candidate array of the whole vocabulary, ~0.2 ms per token
-        self._plain_greedy = params.temperature <= 0.0 and not params.has_penalties
+        self._plain_greedy = params.temperature <= 0.0 and not params.has_penalties and grammar is None
         self.params = params
         self.seed = int(params.seed) if params.seed is not None else random.randrange(2**32 - 1)
+        self._chain = None
+        grammar_sampler = None
+        if grammar is not None:
+            if not isinstance(grammar, str) or not grammar.strip() or vocab is None:
+                raise ValueError(f"grammar must be GBNF text (a non-empty string), got {grammar!r}")
+            grammar_sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+            if not grammar_sampler:
+                raise ValueError("grammar: llama.cpp could not parse it (GBNF with a 'root' rule expected)")
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
         if params.has_penalties:
@@ -95,6 +107,8 @@ class Sampler:
                                                        float(params.repeat_penalty),
                                                        float(params.frequency_penalty),
                                                        float(params.presence_penalty)))
+        if grammar_sampler is not None:
+            add(grammar_sampler)
         if params.temperature <= 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
         else:

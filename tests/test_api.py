@@ -43,7 +43,8 @@ def test_signatures_are_llama_cpp_pythons():
 
     for ours, theirs in ((openai_api.create_completion, Llama.create_completion),
                          (openai_api.create_chat_completion, Llama.create_chat_completion)):
-        a = {n: p.default for n, p in inspect.signature(ours).parameters.items() if n not in ("llm", "sfi")}
+        a = {n: p.default for n, p in inspect.signature(ours).parameters.items()
+             if n not in ("llm", "sfi", "parallel_tool_calls")}  # (our keyword-only extras)
         b = {n: p.default for n, p in inspect.signature(theirs).parameters.items() if n != "self"}
         assert list(a) == list(b)
         assert {n: d for n, d in a.items() if n != "stop"} == {n: d for n, d in b.items() if n != "stop"}
@@ -94,7 +95,7 @@ def test_stop_string(llm, completion):
     assert streamed == out["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True}, {"grammar": object()},
+@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True},
                                     {"logit_bias": {1: 2.0}}, {"mirostat_mode": 2}, {"typical_p": 0.5},
                                     {"logprobs": 1, "stream": True}])
 def test_unsupported_completion_arguments_raise(llm, kwargs):
@@ -102,11 +103,18 @@ def test_unsupported_completion_arguments_raise(llm, kwargs):
         llm.create_completion(PROMPT, max_tokens=2, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                                    {"functions": [{"name": "f", "parameters": {}}]},
-                                    {"response_format": {"type": "json_object"}}])
-def test_unsupported_chat_arguments_raise(llm, kwargs):
-    with pytest.raises(NotImplementedError):
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}}, "'g'"),
+    ({"tools": [{"function": {}}]}, "tools must be"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"grammar": object()}, "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar and response_format"),
+    ({"grammar": "root ::= nothing-defined"}, "grammar"),
+])
+def test_bad_tool_and_format_arguments_name_the_option(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
         llm.create_chat_completion(CHAT, max_tokens=2, **kwargs)
 
 
