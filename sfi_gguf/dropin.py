@@ -19,11 +19,18 @@ llama-cpp-python samples with its own sampler chain from the logits of the last 
 The SFI settings: the constructor's `sfi=` (as `SFILlama`'s: an `SFIConfig`, a policy name, a dict of
 SFIConfig fields, True for the defaults, False for plain llama-cpp-python decoding), or the attribute
 `sfi_config` between calls. `last_sfi_stats` holds the `SFIStats` of the current or last generation.
+`create_chat_completion` adds, with the GGUF's own chat template (the default chat format), what
+llama-cpp-python's template handler leaves out: the model's calls read into `tool_calls` (`tool_choice`
+"auto" and "required", `parallel_tool_calls`, the legacy `functions`; see `sfi_gguf.tool_calls`), and
+`response_format` in the OpenAI `json_schema` form (llama-cpp-python reads only `json_object` with a
+"schema"). A chat handler or format chosen by the caller keeps its own tool handling.
+
 Models SFI does not apply to (recurrent and hybrid models, embedding contexts, vocabulary-only loads)
 decode as llama-cpp-python does; `sfi_unavailable` says why.
 """
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Optional, Sequence
 
@@ -32,6 +39,7 @@ from .config import SFIConfig
 from .context import BorrowedContext
 from .engine import SFIEngine, check_fits, check_split, sfi_config
 from .models import KNOWN_MODELS, resolve_model_path
+from . import tool_calls
 
 _SPLIT_MODES = {llama_cpp.LLAMA_SPLIT_MODE_NONE: "none", llama_cpp.LLAMA_SPLIT_MODE_LAYER: "layer",
                 llama_cpp.LLAMA_SPLIT_MODE_ROW: "row"}
@@ -135,6 +143,38 @@ class Llama(llama_cpp.Llama):
             self._sfi_ctx.tokens = self.input_ids[:self.n_tokens].tolist()
             self._sfi_stepper = None
 
+    # -- chat -------------------------------------------------------------------------------------
+    def create_chat_completion(self, *args, parallel_tool_calls: Optional[bool] = None, **kwargs):
+        """`llama_cpp.Llama.create_chat_completion`, the model's tool calls read into `tool_calls` (see above)."""
+        a = _CHAT_SIGNATURE.bind(self, *args, **kwargs).arguments
+        a.pop("self")
+        a["response_format"] = _response_format(a.get("response_format"))
+        if self.chat_handler is not None or not str(self.chat_format).startswith("chat_template."):
+            if parallel_tool_calls is not None:
+                raise ValueError("parallel_tool_calls needs the GGUF's own chat template (chat_format and "
+                                 "chat_handler not set); the chosen handler has its own tool handling")
+            return super().create_chat_completion(**a)
+        request = tool_calls.tool_request(a.pop("tools", None), a.pop("tool_choice", None), a.pop("functions", None),
+                                          a.pop("function_call", None), parallel_tool_calls)
+        a["messages"] = tool_calls.template_messages(list(a["messages"]))
+        if request.tools:
+            a["tools"] = request.tools
+        if request.forced:
+            rf = a.get("response_format")
+            if a.get("grammar") is not None or (rf is not None and rf.get("type") != "text"):
+                raise ValueError(f"tool_choice {request.choice!r} and grammar / response_format both constrain "
+                                 "the answer; give one")
+            a["grammar"] = llama_cpp.LlamaGrammar.from_string(tool_calls.grammar(request), verbose=False)
+        result = super().create_chat_completion(**a)
+        if not request.active:
+            return result
+        if a.get("stream"):
+            return _tool_chunks(result, request)
+        choice = result["choices"][0]
+        choice["message"], choice["finish_reason"] = tool_calls.message(
+            choice["message"].get("content") or "", choice["finish_reason"], request)
+        return result
+
     # -- SFI ----------------------------------------------------------------------------------------
     @property
     def last_sfi_stats(self):
@@ -160,3 +200,36 @@ class Llama(llama_cpp.Llama):
             ctx.close()
         if hasattr(self, "_stack"):
             super().close()
+
+
+_CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
+
+
+def _response_format(rf):
+    """The OpenAI json_schema form as llama-cpp-python's json_object with a schema (which it reads)."""
+    if isinstance(rf, dict) and rf.get("type") == "json_schema":
+        spec = rf.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError(f"response_format json_schema needs json_schema.schema (an object), got {spec!r}")
+        return {"type": "json_object", "schema": schema}
+    if rf is not None and (not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object")):
+        raise ValueError(f"response_format must be of type text, json_object or json_schema, got {rf!r}")
+    return rf
+
+
+def _tool_chunks(chunks, request):
+    """llama-cpp-python's chat chunks with the calls in their text as `delta.tool_calls`."""
+    calls = tool_calls.CallStream(request)
+    for chunk in chunks:
+        choice = chunk["choices"][0]
+        text = (choice.get("delta") or {}).get("content")
+        if choice.get("finish_reason") is not None:
+            for delta in calls.deltas(None):
+                yield {**chunk, "choices": [{**choice, "delta": delta, "finish_reason": None}]}
+            yield {**chunk, "choices": [{**choice, "finish_reason": calls.finish_reason(choice["finish_reason"])}]}
+        elif text:
+            for delta in calls.deltas(text):
+                yield {**chunk, "choices": [{**choice, "delta": delta}]}
+        else:
+            yield chunk

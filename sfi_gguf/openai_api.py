@@ -269,24 +269,11 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     message = {"role": "assistant", "content": choice["text"]}
     finish = choice["finish_reason"]
     if request.active:
-        message, finish = _tool_message(choice["text"], finish, request)
+        message, finish = tool_calls.message(choice["text"], finish, request)
     return {"id": "chat" + result["id"], "object": "chat.completion", "created": result["created"],
             "model": result["model"],
             "choices": [{"index": 0, "message": message, "logprobs": choice["logprobs"], "finish_reason": finish}],
             "usage": result["usage"], "sfi_stats": result["sfi_stats"]}
-
-
-def _tool_message(text: str, finish: str, request) -> tuple[dict, str]:
-    content, calls = tool_calls.parse(text, request.names)
-    if not calls:
-        return {"role": "assistant", "content": text}, finish
-    if not request.parallel:
-        calls = calls[:1]
-    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
-    if request.legacy:
-        message["function_call"] = calls[0]["function"]
-        return message, "function_call"
-    return message, "tool_calls"
 
 
 def _chat_logprobs(llm, records) -> dict:
@@ -301,7 +288,7 @@ def _chat_logprobs(llm, records) -> dict:
 
 
 def _chat_chunks(chunks: Iterator[dict], request=None) -> Iterator[dict]:
-    calls = tool_calls.CallStream(request.names) if request is not None and request.active else None
+    calls = tool_calls.CallStream(request) if request is not None and request.active else None
     try:
         for i, chunk in enumerate(chunks):
             head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
@@ -315,27 +302,15 @@ def _chat_chunks(chunks: Iterator[dict], request=None) -> Iterator[dict]:
                 if calls is None:
                     yield delta({"content": c["text"]})
                 else:
-                    yield from _call_deltas(calls.push(c["text"]), calls, request, delta)
+                    yield from map(delta, calls.deltas(c["text"]))
                 continue
             finish = c["finish_reason"]
             if calls is not None:
-                yield from _call_deltas(calls.flush(), calls, request, delta)
-                if calls.n_calls:
-                    finish = "function_call" if request.legacy else "tool_calls"
+                yield from map(delta, calls.deltas(None))
+                finish = calls.finish_reason(finish)
             out = delta({}, finish)
             if "sfi_stats" in chunk:
                 out["sfi_stats"] = chunk["sfi_stats"]
             yield out
     finally:
         chunks.close()
-
-
-def _call_deltas(events, calls, request, delta) -> Iterator[dict]:
-    for kind, value in events:
-        if kind == "content":
-            yield delta({"content": value})
-        elif request.parallel or calls.n_calls == 1:  # without parallel_tool_calls: the first call only
-            if request.legacy:
-                yield delta({"function_call": value["function"]})
-            else:
-                yield delta({"tool_calls": [{"index": calls.n_calls - 1, **value}]})

@@ -202,21 +202,54 @@ def _call(body: str) -> dict | None:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
-    args = obj.get("arguments", obj.get("parameters", {}))
+    args = next((obj[k] for k in ("arguments", "parameters", "args") if k in obj), {})  # (what small models write)
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
             "function": {"name": obj["name"], "arguments": args if isinstance(args, str) else json.dumps(args)}}
 
 
+def message(text: str, finish: str, request: ToolRequest) -> tuple[dict, str]:
+    """An answer's text -> (the OpenAI assistant message, finish_reason): its calls as `tool_calls`
+    ("tool_calls"; the legacy form: `function_call`, "function_call"), or the text as it is."""
+    content, calls = parse(text, request.names)
+    if not calls:
+        return {"role": "assistant", "content": text}, finish
+    if not request.parallel:
+        calls = calls[:1]
+    out = {"role": "assistant", "content": content or None, "tool_calls": calls}
+    if request.legacy:
+        out["function_call"] = calls[0]["function"]
+        return out, "function_call"
+    return out, "tool_calls"
+
+
 class CallStream:
     """Streamed text -> ("content", text) and ("tool_call", call) events: text outside the calls streams as it
-    comes (a tail that may be the start of `<tool_call>` is held back), a call once its block is closed."""
+    comes (a tail that may be the start of `<tool_call>` is held back), a call once its block is closed.
+    `deltas` gives them as the `delta` dicts of chat.completion.chunk objects."""
 
-    def __init__(self, names=()):
+    def __init__(self, request: ToolRequest):
+        self.request = request
         self.buffer = ""
         self.n_calls = 0
         self.content_seen = False
-        self.names = tuple(names)
+        self.names = tuple(request.names)
         self.holding = None  # an answer that starts like an untagged call: held whole, parsed at the end
+
+    def deltas(self, piece: str | None) -> Iterator[dict]:
+        """The deltas of the next piece of text (None: the end of the answer)."""
+        for kind, value in (self.flush() if piece is None else self.push(piece)):
+            if kind == "content":
+                yield {"content": value}
+            elif self.request.parallel or self.n_calls == 1:  # without parallel_tool_calls: the first call only
+                if self.request.legacy:
+                    yield {"function_call": value["function"]}
+                else:
+                    yield {"tool_calls": [{"index": self.n_calls - 1, **value}]}
+
+    def finish_reason(self, finish: str) -> str:
+        if not self.n_calls:
+            return finish
+        return "function_call" if self.request.legacy else "tool_calls"
 
     def push(self, piece: str) -> Iterator[tuple[str, Any]]:
         self.buffer += piece

@@ -160,3 +160,44 @@ def test_unsupported_settings_name_the_option():
         _llama(n_ctx=256, sfi=SFIConfig(k_head=512))
     with pytest.raises(ValueError, match="split_mode"):
         _llama(n_ctx=256, split_mode=llama_cpp.LLAMA_SPLIT_MODE_ROW)
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "add", "description": "Add two numbers",
+    "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                   "required": ["a", "b"]}}}]
+SUM = [{"role": "user", "content": "What is 2 plus 3? Use the tool."}]
+
+
+def test_tool_calls(llm):
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Current weather of a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    out = llm.create_chat_completion([{"role": "user", "content": "What is the weather in Paris?"}],
+                                     tools=[weather] + TOOLS, max_tokens=48, temperature=0, repeat_penalty=1.0)
+    c = out["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c  # tool_choice "auto": the model chose to call
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and "Paris" in json.loads(call["function"]["arguments"]).values()
+    out = llm.create_chat_completion(SUM, tools=TOOLS, tool_choice="required", max_tokens=48, temperature=0)
+    c = out["choices"][0]
+    assert c["finish_reason"] == "tool_calls", c
+    (call,) = c["message"]["tool_calls"]
+    assert call["function"]["name"] == "add" and json.loads(call["function"]["arguments"]) == {"a": 2, "b": 3}
+    chunks = list(llm.create_chat_completion(SUM, tools=TOOLS, tool_choice="required", max_tokens=48, temperature=0,
+                                             stream=True))
+    deltas = [d for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls") or []]
+    assert [d["function"]["name"] for d in deltas] == ["add"] and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    # the next turn: the call and its result
+    turn = SUM + [c["message"], {"role": "tool", "tool_call_id": call["id"], "content": "5"}]
+    final = llm.create_chat_completion(turn, tools=TOOLS, tool_choice="none", max_tokens=16, temperature=0)
+    assert "5" in final["choices"][0]["message"]["content"]
+
+
+def test_openai_json_schema_form(llm):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    out = llm.create_chat_completion([{"role": "user", "content": "Invent a person."}], max_tokens=48,
+                                     temperature=0, response_format={"type": "json_schema",
+                                                                     "json_schema": {"name": "p", "schema": schema}})
+    jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
