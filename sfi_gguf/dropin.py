@@ -25,7 +25,8 @@ llama-cpp-python's template handler leaves out: the model's calls read into `too
 `response_format` in the OpenAI `json_schema` form (llama-cpp-python reads only `json_object` with a
 "schema"). A chat handler or format chosen by the caller keeps its own tool handling.
 
-Models SFI does not apply to (recurrent and hybrid models, embedding contexts, vocabulary-only loads)
+Models SFI does not apply to (recurrent and hybrid models, embedding contexts, vocabulary-only loads,
+speculative decoding with a draft model)
 decode as llama-cpp-python does; `sfi_unavailable` says why.
 """
 from __future__ import annotations
@@ -83,6 +84,8 @@ class Llama(llama_cpp.Llama):
             return "vocab_only=True: no weights are loaded"
         if self.context_params.embeddings:
             return "embedding=True: embedding contexts hold several sequences in one KV cache"
+        if self.draft_model is not None:
+            return "draft_model: speculative decoding evaluates several drafted tokens per step"
         if self._is_recurrent or self._is_hybrid:
             return "a recurrent or hybrid model: its state is not a KV cache SFI can select from"
         return None

@@ -201,3 +201,15 @@ def test_openai_json_schema_form(llm):
                                      temperature=0, response_format={"type": "json_schema",
                                                                      "json_schema": {"name": "p", "schema": schema}})
     jsonschema.validate(json.loads(out["choices"][0]["message"]["content"]), schema)
+
+
+def test_draft_model_decodes_as_llama_cpp_python():
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    model = _llama(n_ctx=256, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=2))
+    try:
+        assert not model.sfi_active and "draft_model" in model.sfi_unavailable
+        text = model.create_completion("1, 2, 3, 4, 5, 6,", max_tokens=8, temperature=0)["choices"][0]["text"]
+        assert "7" in text
+    finally:
+        model.close()

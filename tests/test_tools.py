@@ -111,3 +111,27 @@ def test_grammar_field(client):
     reply = _create(client, messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=4,
                     extra_body={"grammar": 'root ::= "yes" | "no"'})
     assert reply.choices[0].message.content in ("yes", "no")
+
+
+def test_parallel_slots_constrain_each_request():
+    """`serve --parallel 2`: a json_schema request and a required tool call decode in one batch, each with its
+    own grammar in its own sampler chain."""
+    import threading
+
+    schema = {"type": "object", "properties": {"colour": {"type": "string"}}, "required": ["colour"]}
+    llm = SFILlama(None, n_ctx=1024, n_threads=1, n_parallel=2)
+    results = {}
+    with running_server(llm, "test-model") as srv:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+        jobs = {"json": dict(messages=[{"role": "user", "content": "Name a colour."}],
+                             response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}}),
+                "tool": dict(messages=SUM, tools=TOOLS, tool_choice="required")}
+        threads = [threading.Thread(target=lambda k=k, kw=kw: results.__setitem__(k, _create(client, **kw)))
+                   for k, kw in jobs.items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    jsonschema.validate(json.loads(results["json"].choices[0].message.content), schema)
+    assert results["tool"].choices[0].finish_reason == "tool_calls"
+    assert results["tool"].choices[0].message.tool_calls[0].function.name in ("add", "get_weather")
