@@ -15,7 +15,7 @@ from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_
                      check_split as _check_split, sfi_config as _sfi_config)
 from .generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
-from .sampling import Sampler, SamplingParams, is_int
+from .sampling import Sampler, SamplingParams, is_int, logit_bias_items
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
@@ -231,7 +231,9 @@ class SFILlama:
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
-                 cancel: threading.Event | None = None, grammar=None) -> Union[Completion, Iterator[str]]:
+                 cancel: threading.Event | None = None, grammar=None, typical_p: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 logit_bias: dict | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
@@ -241,7 +243,9 @@ class SFILlama:
         model's `sfi_config` for this call only. `cancel` (a threading.Event) set from another thread
         ends the generation before its next token (finish_reason "stop"): a server's client went away.
         `grammar` (a `llama_cpp.LlamaGrammar` or GBNF text) constrains the tokens with llama.cpp's grammar
-        sampler (`LlamaGrammar.from_json_schema` turns a JSON schema into one).
+        sampler (`LlamaGrammar.from_json_schema` turns a JSON schema into one). `typical_p`, `mirostat_mode`
+        (1 or 2, with `mirostat_tau` and `mirostat_eta`) and `logit_bias` ({token id: bias}) are llama.cpp's
+        samplers, placed as llama-cpp-python places them.
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -252,7 +256,9 @@ class SFILlama:
         stop_list = _stop_list(stop)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty)
+                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                                logit_bias=logit_bias_items(logit_bias))
         params.validate()
         tokens = self.prompt_tokens(prompt)
         if not tokens:
@@ -319,7 +325,8 @@ class SFILlama:
                       min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
                       sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None,
-                      grammar=None):
+                      grammar=None, typical_p: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                      mirostat_eta: float = 0.1, logit_bias: dict | None = None):
         """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`: as
         there)."""
         from .batched import Request
@@ -333,7 +340,9 @@ class SFILlama:
             raise ValueError(f"the prompt has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty)
+                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                                logit_bias=logit_bias_items(logit_bias))
         params.validate()
         sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
                           vocab=self._ctx.vocab)

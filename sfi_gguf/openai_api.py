@@ -22,8 +22,7 @@ from . import tool_calls
 
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
 _NOT_USED = {
-    "suffix": None, "echo": False, "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0,
-    "stopping_criteria": None, "logits_processor": None, "logit_bias": None,
+    "suffix": None, "echo": False, "tfs_z": 1.0, "stopping_criteria": None, "logits_processor": None,
 }
 
 
@@ -31,7 +30,9 @@ def _check_supported(args: dict[str, Any]) -> None:
     used = [k for k, neutral in _NOT_USED.items() if k in args and args[k] not in (None, neutral)
             and not (isinstance(args[k], (list, dict)) and not args[k])]
     if used:
-        raise NotImplementedError(f"SFILlama does not support {', '.join(used)}")
+        hint = ("; tfs_z is no longer one of llama.cpp's samplers" if used == ["tfs_z"] else
+                "; sfi_gguf.Llama (llama-cpp-python's Llama decoding with SFI) has them")
+        raise NotImplementedError(f"SFILlama does not support {', '.join(used)}{hint}")
 
 
 def grammar_text(grammar) -> str | None:
@@ -101,10 +102,15 @@ def _json_safe(x):
 
 
 def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-              presence_penalty, sfi, grammar=None) -> dict[str, Any]:
+              presence_penalty, sfi, grammar=None, typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0,
+              mirostat_eta=0.1, logit_bias=None) -> dict[str, Any]:
     out = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                presence_penalty=presence_penalty, sfi=sfi)
+    extra = dict(typical_p=typical_p, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                 mirostat_eta=mirostat_eta, logit_bias=logit_bias)
+    neutral = dict(typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None)
+    out.update({k: v for k, v in extra.items() if v != neutral[k]})  # (a slot client passes what it is given)
     if grammar is not None:
         out["grammar"] = grammar
     return out
@@ -124,7 +130,8 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     _check_supported(locals())
     prompts = _prompt_list(prompt)
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi, grammar_text(grammar))
+                         presence_penalty, sfi, grammar_text(grammar), typical_p, mirostat_mode, mirostat_tau,
+                         mirostat_eta, logit_bias)
     head = _head("cmpl", model, llm)
     if len(prompts) == 1:
         return _completion(llm, prompts[0], llm.prompt_tokens(prompts[0]), max_tokens, stream, logprobs, sampling,
@@ -260,7 +267,8 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
                                tools=request.tools)  # tool_choice "none": shown, not called (the prefix stays)
     n_top = (top_logprobs or 0) if logprobs else None
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi, constraint[0][1] if constraint else None)
+                         presence_penalty, sfi, constraint[0][1] if constraint else None, typical_p, mirostat_mode,
+                         mirostat_tau, mirostat_eta, logit_bias)
     result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,
                        lambda records: _chat_logprobs(llm, records), _head("cmpl", model, llm))
     if stream:

@@ -95,8 +95,7 @@ def test_stop_string(llm, completion):
     assert streamed == out["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True},
-                                    {"logit_bias": {1: 2.0}}, {"mirostat_mode": 2}, {"typical_p": 0.5},
+@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True}, {"tfs_z": 0.5},
                                     {"logprobs": 1, "stream": True}])
 def test_unsupported_completion_arguments_raise(llm, kwargs):
     with pytest.raises(NotImplementedError):
@@ -116,6 +115,26 @@ def test_unsupported_completion_arguments_raise(llm, kwargs):
 def test_bad_tool_and_format_arguments_name_the_option(llm, kwargs, match):
     with pytest.raises(ValueError, match=match):
         llm.create_chat_completion(CHAT, max_tokens=2, **kwargs)
+
+
+def test_logit_bias_typical_and_mirostat(llm):
+    banana = llm.tokenize(" banana", add_special=False)[0]
+    assert llm.generate(PROMPT, max_tokens=3, temperature=0, logit_bias={banana: 100.0}).tokens == [banana] * 3
+    greedy = llm.generate(PROMPT, max_tokens=1, temperature=0).tokens[0]
+    assert llm.generate(PROMPT, max_tokens=1, temperature=0, logit_bias={str(greedy): -100}).tokens[0] != greedy
+    for kwargs in ({"typical_p": 0.5}, {"mirostat_mode": 1}, {"mirostat_mode": 2, "mirostat_tau": 3.0}):
+        runs = [llm.generate(PROMPT, max_tokens=8, temperature=0.8, seed=7, **kwargs).tokens for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 8, kwargs  # seeded: the same draw twice
+    out = llm(PROMPT, max_tokens=2, temperature=0, logit_bias={banana: 100.0})
+    assert out["choices"][0]["text"] == " banana" * 2
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm(PROMPT, max_tokens=1, logit_bias={"x": 1})
+    with pytest.raises(ValueError, match="logit_bias: token ids out of range"):
+        llm(PROMPT, max_tokens=1, logit_bias={10**7: 1})
+    with pytest.raises(ValueError, match="mirostat_mode"):
+        llm(PROMPT, max_tokens=1, mirostat_mode=3)
+    with pytest.raises(ValueError, match="typical_p"):
+        llm(PROMPT, max_tokens=1, typical_p=0)
 
 
 def test_bad_input_is_a_value_error(llm):

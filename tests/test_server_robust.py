@@ -163,6 +163,9 @@ GOOD = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     (json.dumps({**GOOD, "sfi": {"k_head": "x"}}).encode(), "SFIConfig.k_head"),
     (json.dumps({**GOOD, "grammar": "root ::= undefined-rule"}).encode(), "grammar"),
     (json.dumps({**GOOD, "grammar": 5}).encode(), "grammar must be"),
+    (json.dumps({**GOOD, "logit_bias": {"a": 1}}).encode(), "logit_bias must be"),
+    (json.dumps({**GOOD, "mirostat_mode": 7}).encode(), "mirostat_mode must be"),
+    (json.dumps({**GOOD, "typical_p": 2}).encode(), "typical_p must be"),
 ])
 def test_bad_completion_bodies_are_400(one, body, match):
     status, _, raw = one.raw(_request("POST", "/v1/completions", body))
@@ -191,7 +194,9 @@ def test_bad_chat_bodies_are_400(one, body, match):
 
 
 def test_penalties(one):
-    for penalty in ({"repeat_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
+    for penalty in ({"repeat_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                    {"logit_bias": {"5": 3.0}}, {"typical_p": 0.5, "temperature": 0.8, "seed": 1},
+                    {"mirostat_mode": 2, "temperature": 0.8, "seed": 1}):
         status, reply = one.post("/v1/completions", {**GOOD, **penalty})
         assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
 
