@@ -8,6 +8,10 @@ streaming text), in this process. Prints a table and writes JSON to benchmarks/r
 
     python3 benchmarks/dense_overhead.py --depth 2048 --n-decode 64            # CPU, default model
     python3 benchmarks/dense_overhead.py --model X.gguf -ngl 99 --depth 8192     # GPU
+
+--dropin also times llama-cpp-python's token loop (`Llama.generate`, greedy, its own sampler chain) on
+`llama_cpp.Llama` and on `sfi_gguf.Llama` (SFI's eval in that loop: with the default SFI settings, which
+decode densely below SFI's threshold, and with sfi=False, llama-cpp-python's own eval).
 """
 from __future__ import annotations
 
@@ -60,6 +64,33 @@ def python_decode(llm: SFILlama, depth: int, n_decode: int) -> float:
     return out.stats.decode_tok_s
 
 
+def loop_decode(llm, depth: int, n_decode: int) -> float:
+    """tok/s of llama-cpp-python's token loop: `Llama.generate` (eval + its sampler) over n_decode tokens."""
+    rng = random.Random(1234)
+    prompt = [rng.randrange(llm.n_vocab()) for _ in range(depth)]
+    for n in (2, n_decode + 1):  # the first pass prefills and warms up
+        llm.reset()
+        tokens = llm.generate(prompt, temp=0.0)
+        next(tokens)  # prefill and the first token
+        t0 = time.perf_counter()
+        for _ in range(n - 1):
+            next(tokens)
+        seconds = time.perf_counter() - t0
+        tokens.close()
+    return (n_decode) / seconds
+
+
+def dropin_models(model: Path, n_ctx: int, ngl: int, threads: int | None):
+    import llama_cpp
+    import sfi_gguf
+
+    kwargs = dict(n_ctx=n_ctx, n_gpu_layers=ngl, n_batch=512, flash_attn=True, verbose=False,
+                  n_threads=threads, n_threads_batch=threads)
+    return {"llama_cpp.Llama": lambda: llama_cpp.Llama(str(model), **kwargs),
+            "sfi_gguf.Llama": lambda: sfi_gguf.Llama(str(model), **kwargs),
+            "sfi_gguf.Llama(sfi=False)": lambda: sfi_gguf.Llama(str(model), sfi=False, **kwargs)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="GGUF path or known name (default model if omitted)")
@@ -68,6 +99,8 @@ def main() -> None:
     ap.add_argument("-ngl", "--n-gpu-layers", type=int, default=0)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=2, help="alternate C and Python runs this many times; best of")
+    ap.add_argument("--dropin", action="store_true", help="also time llama-cpp-python's loop on llama_cpp.Llama "
+                                                          "and sfi_gguf.Llama")
     ap.add_argument("--out", default=None, help="JSON output path (default benchmarks/results/dense_overhead-*.json)")
     args = ap.parse_args()
 
@@ -82,9 +115,21 @@ def main() -> None:
             c_best = max(c_best, c_decode(model, depth, args.n_decode, n_ctx, args.n_gpu_layers, args.threads))
             py_best = max(py_best, python_decode(llm, depth, args.n_decode))
         llm.close()
+        loops = {}
+        if args.dropin:
+            for name, make in dropin_models(model, n_ctx, args.n_gpu_layers, args.threads).items():
+                m = make()
+                loops[name] = round(max(loop_decode(m, depth, args.n_decode) for _ in range(args.repeats)), 2)
+                m.close()
+                print(f"depth {depth:>6}: {name:<28} {loops[name]:8.2f} tok/s   ratio to C "
+                      f"{loops[name] / c_best:.3f}", flush=True)
         row = {"hardware": hardware(args.n_gpu_layers), "model": model.name, "depth": depth,
                "n_decode": args.n_decode, "n_gpu_layers": args.n_gpu_layers, "c_tok_s": round(c_best, 2),
-               "python_tok_s": round(py_best, 2), "ratio": round(py_best / c_best, 3), "commit": git_commit(),
+               "python_tok_s": round(py_best, 2), "ratio": round(py_best / c_best, 3),
+               **({"llama_cpp_python_loop_tok_s": loops,
+                   "llama_cpp_python_loop_ratio": {k: round(v / c_best, 3) for k, v in loops.items()}}
+                  if loops else {}),
+               "commit": git_commit(),
                "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
         rows.append(row)
         print(f"depth {depth:>6}: C {c_best:8.2f} tok/s   SFILlama dense {py_best:8.2f} tok/s   "

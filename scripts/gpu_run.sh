@@ -2,6 +2,7 @@
 # Runs ON the GPU machine (device tool), from the repo root, after scripts/make_gpu_bundle.sh here:
 #   build sfi-gguf with CUDA for sm_90 from the carried tree, run the GPU tests, run the benchmarks.
 # Usage: bash scripts/gpu_run.sh [stage ...]   stages: build tests overhead native bench (default: all),
+#   overhead-dropin (the overhead stage plus llama-cpp-python's token loop on llama_cpp.Llama and sfi_gguf.Llama),
 #   diag, profile (export ops and candidate slow steps), cycle (refresh cycles: what a refresh costs, part by part;
 #   SFI_CYCLE_CTX, SFI_CYCLE_M, SFI_CYCLE_CANDIDATES, SFI_CYCLE_ARGS, SFI_BENCH_TAG),
 #   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py; SFI_PROFILE_KINDS,
@@ -89,6 +90,12 @@ if [[ " $stages " == *" overhead "* ]]; then
     M=$(model qwen3-4b f16)
     python3 benchmarks/dense_overhead.py --model "$M" -ngl 99 --depth 2048 8192 --n-decode 128 --repeats 3 \
         --out "$OUT/dense_overhead-h200.json"
+fi
+if [[ " $stages " == *" overhead-dropin "* ]]; then
+    log "dense overhead with llama-cpp-python's loop: llama_cpp.Llama and sfi_gguf.Llama vs C (Qwen3-4B shape, F16)"
+    M=$(model qwen3-4b f16)
+    python3 benchmarks/dense_overhead.py --model "$M" -ngl 99 --depth 2048 8192 --n-decode 128 --repeats 3 --dropin \
+        --out "$OUT/dense_overhead_dropin-h200.json"
 fi
 if [[ " $stages " == *" native "* ]]; then
     log "native step micro-benchmark (Qwen3-4B shape, F16)"

@@ -8,6 +8,9 @@
 # temporary folder and run from there; tests_upstream/sfi_upstream_plugin.py points the bindings at
 # our library (and checks it is the patched one), stands in local models for the hub downloads, and
 # deselects with the reason the tests that cannot run here. docs/llama-cpp-python-tests.md lists all.
+# SFI_UPSTREAM_DROPIN=1 runs the same tests with sfi_gguf.Llama in place of llama_cpp.Llama (their token loop
+# through SFI); SFI_UPSTREAM_SFI='{"n_sink": 2, "k_head": 4, "n_recent": 4}' (SFIConfig fields) then makes SFI
+# sparse at the tests' 32- and 64-cell contexts.
 # Exit status: pytest's (non-zero if anything that runs fails, or if nothing ran).
 set -euo pipefail
 cd "$(dirname "$0")/.."

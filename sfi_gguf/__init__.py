@@ -5,7 +5,8 @@ from ._native import NativeLibraryError, native_info  # noqa: E402  (loads the p
 from . import _log  # noqa: E402,F401  (llama.cpp's log: verbose only)
 from .generate import Completion, GenerationStats  # noqa: E402
 from .llama import SFILlama  # noqa: E402
+from .dropin import Llama  # noqa: E402
 from .models import ensure_model  # noqa: E402
 
-__all__ = ["SFILlama", "Completion", "GenerationStats", "NativeLibraryError", "ensure_model", "native_info",
+__all__ = ["SFILlama", "Llama", "Completion", "GenerationStats", "NativeLibraryError", "ensure_model", "native_info",
            "__version__"]

@@ -398,3 +398,53 @@ class LlamaContext:
         if progress:
             bar.close()
         return len(todo)
+
+
+class BorrowedContext(LlamaContext):
+    """The model and context of a `llama_cpp.Llama`, seen as a `LlamaContext` (sequence 0) for the SFI steppers.
+
+    It owns neither (closing it frees only its batch). `n_ctx` is the Llama's (the length of its
+    `input_ids`; llama.cpp may allocate more cells). `scores` (the Llama's `scores` array, with
+    `logits_all=True`): every decoded row's logits are copied there, row i for position i, as
+    llama-cpp-python's own `eval` does.
+    """
+
+    def __init__(self, model, ctx, n_ctx: int, n_batch: int, flash_attn: bool, scores: np.ndarray | None = None):
+        self.seq = 0
+        self._owner = False
+        self.logits_index = -1
+        self._cb_eval = None
+        self._batch = None
+        self.model = model
+        self.ctx = ctx
+        self.vocab = llama_cpp.llama_model_get_vocab(model)
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(self.vocab)
+        self.n_ctx_train = llama_cpp.llama_model_n_ctx_train(model)
+        self.n_head = llama_cpp.llama_model_n_head(model)
+        self.n_seq_max = 1
+        self.n_ctx = int(n_ctx)
+        self.n_batch = int(n_batch)
+        self.flash_attn = flash_attn
+        self.memory = llama_cpp.llama_get_memory(ctx)
+        self.scores = scores
+        self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        self.tokens: list[int] = []
+
+    def _fill(self, tokens: Sequence[int], start_pos: int, want_last_logits: bool) -> None:
+        super()._fill(tokens, start_pos, want_last_logits)
+        if self.scores is not None:
+            for i in range(len(tokens)):
+                self._batch.logits[i] = 1
+
+    def decode(self, tokens: Sequence[int], want_last_logits: bool = True) -> None:
+        start = len(self.tokens)
+        super().decode(tokens, want_last_logits)
+        if self.scores is not None and tokens:
+            n = len(tokens)
+            rows = np.ctypeslib.as_array(llama_cpp.llama_get_logits(self.ctx), shape=(n * self.n_vocab,))
+            self.scores[start:start + n, :].reshape(-1)[:] = rows
+
+    def decode_one(self, token: int) -> None:
+        super().decode_one(token)
+        if self.scores is not None:
+            self.scores[len(self.tokens) - 1, :] = self.last_logits()

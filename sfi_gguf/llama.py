@@ -1,7 +1,6 @@
 """`SFILlama`: the user-facing model object."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -12,23 +11,14 @@ from . import openai_api
 from ._native import llama_cpp
 from .config import SFIConfig
 from .context import ContextError, LlamaContext, default_threads
-from .generate import Completion, DenseStepper, GenerationStats, run_generation
+from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_fits as _check_fits,  # noqa: F401
+                     check_split as _check_split, sfi_config as _sfi_config)
+from .generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
-from .sampling import Sampler, SamplingParams, is_int
+from .sampling import Sampler, SamplingParams, is_int, logit_bias_items
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
-
-# With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
-# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Where SFI
-# starts on a GPU": at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for
-# Qwen3-8B Q4_K_M, 1.02x).
-GPU_MIN_CONTEXT = 32768
-
-# Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise): the H200 measured 1.28x batched dense at 16 x 32K and
-# 2.05x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
-GPU_BATCHED_MIN_CONTEXT = 32768
 
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
@@ -112,8 +102,7 @@ class SFILlama:
             raise
         self._generation = 0  # bumped by every generate(): a stream from an earlier call must not decode
         self.last_stats: GenerationStats | None = None
-        self._sfi_native = None
-        self._pieces = None
+        self._engine = SFIEngine(self._ctx, n_gpu_layers, split_mode)
         self._chat_formatter = None
         self._batched = None  # BatchedDecoder, created by the first generate_batch
 
@@ -146,9 +135,7 @@ class SFILlama:
             if self._batched is not None:
                 self._batched.close()
                 self._batched = None
-            if self._sfi_native is not None:
-                self._sfi_native.free()
-                self._sfi_native = None
+            self._engine.close()
             self._ctx.close()
 
     @_serialised
@@ -168,13 +155,14 @@ class SFILlama:
         return self._ctx.detokenize(tokens)
 
     @_serialised
-    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                            tools: Sequence[dict] | None = None) -> str:
         """The GGUF's chat template applied to messages.
 
         Rendered with Jinja exactly as llama-cpp-python's `Llama.create_chat_completion` (and
         transformers) do, so prompts, default system prompts included, are the same token for token.
         A message's content may be None or a list of text parts; other keys (tool_calls, name ...) go
-        to the template as they are.
+        to the template as they are. `tools` (OpenAI tool objects) go to the template's `tools`.
         """
         template = self._ctx.chat_template()
         if template is None:
@@ -193,11 +181,13 @@ class SFILlama:
                                             bos_token=text(llama_cpp.llama_vocab_bos(self._ctx.vocab)),
                                             add_generation_prompt=add_generation_prompt)
             self._chat_formatter = (key, formatter)
-        return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages]).prompt
+        return self._chat_formatter[1](messages=[_normalize_message(m) for m in messages],
+                                       tools=list(tools) if tools else None).prompt
 
     @_serialised
-    def prompt_tokens(self, prompt: Prompt) -> list[int]:
-        """A prompt as tokens: text is tokenized, messages are chat-formatted, token ids pass through."""
+    def prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
+        """A prompt as tokens: text is tokenized, messages are chat-formatted (with `tools`), token ids pass
+        through."""
         if isinstance(prompt, str):
             return self.tokenize(prompt)
         if not len(prompt):  # [] is neither messages nor tokens: say what is wrong, not "no chat template"
@@ -207,7 +197,7 @@ class SFILlama:
             if bad:
                 raise ValueError(f"token ids out of range [0, {self._ctx.n_vocab}): {bad[:5]}")
             return list(prompt)
-        text = self.apply_chat_template(prompt)
+        text = self.apply_chat_template(prompt, tools=tools)
         return self._ctx.tokenize(text, add_special=not self._starts_with_bos(text))
 
     def _starts_with_bos(self, text: str) -> bool:
@@ -218,65 +208,22 @@ class SFILlama:
         return bool(bos_text) and text.startswith(bos_text)
 
     # -- generation -----------------------------------------------------------------------------
+    @property
+    def _sfi_native(self):
+        """The native SFI state (`native.SFINative`), once a stepper created it."""
+        return self._engine.native
+
     @_serialised
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
-        if self.n_gpu_layers and config.device_selector is None:
-            # offloaded layers: the Selector runs in the slow step's graph (BENCHMARKS.md, "Speed on the GPU")
-            config = dataclasses.replace(config, device_selector=True)
-        if self.n_gpu_layers and config.min_context is None and batched:
-            return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
-        if self.n_gpu_layers and config.min_context is None:
-            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
-            # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU")
-            return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
-        return config
+        return self._engine.effective_config(config, batched)
 
     def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None, batched: bool = False):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
 
         ctx: the sequence to step (default: the first); batched generation passes each slot's.
         """
-        from .native import SFINative, SFISequence
-
-        config = config or self.sfi_config
-        ctx = ctx or self._ctx
-        if config.dense:
-            if self._sfi_native is not None and self._sfi_native._initialized:
-                self._sfi_native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
-            return DenseStepper(ctx)
-        _check_fits(config, self.n_ctx)
-        _check_split(config, self.split_mode)
-        config = self.effective_config(config, batched)
-        from .boundary import PieceTable
-        from .policy import POLICIES, make_policy
-        from .selector import make_selector
-        from .sfi import SFIStepper
-
-        # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
-        # buffers (allocated for the capacity) bounded, and the values inside int32
-        n_ctx = self.n_ctx
-        t_max = config.policy_params.t_max  # the tail's capacity: twice the policy's T_max, at least 256 cells
-        n_tail_max = min(n_ctx, max(256, 2 * (t_max or 0)))
-        # a delayed selection keeps every cell that entered its range since it was chosen as recent
-        # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap
-        # refresh) and the slow step's token beyond n_recent
-        stretch = config.selection_delay + n_tail_max + 1 if config.selection_delay else 0
-        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
-                      n_tail_max=n_tail_max,
-                      n_query_rows=min(n_ctx, config.n_prefill_queries),
-                      evidence_alpha=config.selector_params.evidence_alpha, export_key_norms=True)
-        if self._sfi_native is None:
-            self._sfi_native = SFINative(self._ctx.ctx, **params)
-        elif not self._sfi_native._initialized or any(self._sfi_native.params[k] != v for k, v in params.items()):
-            self._sfi_native.init(**params)  # the config changed since (new budgets), or a re-init failed
-        if self._pieces is None and POLICIES[config.policy].reads_text:
-            self._pieces = PieceTable([self._ctx.token_bytes(t) for t in range(self._ctx.n_vocab)])
-        native = self._sfi_native
-        if self._ctx.n_seq_max > 1:
-            native = SFISequence(native, ctx.seq)
-        return SFIStepper(ctx, native, config, make_policy(config, self._pieces), make_selector(config))
+        return self._engine.stepper(config or self.sfi_config, ctx, batched)
 
     @_serialised
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
@@ -284,7 +231,9 @@ class SFILlama:
                  stream: bool = False, min_p: float = 0.05, repeat_penalty: float = 1.0,
                  ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
                  logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
-                 cancel: threading.Event | None = None) -> Union[Completion, Iterator[str]]:
+                 cancel: threading.Event | None = None, grammar=None, typical_p: float = 1.0,
+                 mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
+                 logit_bias: dict | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
@@ -293,6 +242,10 @@ class SFILlama:
         log-probability and the n most likely tokens (not with stream=True). `sfi` overrides the
         model's `sfi_config` for this call only. `cancel` (a threading.Event) set from another thread
         ends the generation before its next token (finish_reason "stop"): a server's client went away.
+        `grammar` (a `llama_cpp.LlamaGrammar` or GBNF text) constrains the tokens with llama.cpp's grammar
+        sampler (`LlamaGrammar.from_json_schema` turns a JSON schema into one). `typical_p`, `mirostat_mode`
+        (1 or 2, with `mirostat_tau` and `mirostat_eta`) and `logit_bias` ({token id: bias}) are llama.cpp's
+        samplers, placed as llama-cpp-python places them.
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -303,7 +256,9 @@ class SFILlama:
         stop_list = _stop_list(stop)
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty)
+                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                                logit_bias=logit_bias_items(logit_bias))
         params.validate()
         tokens = self.prompt_tokens(prompt)
         if not tokens:
@@ -315,7 +270,8 @@ class SFILlama:
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
-        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs)
+        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
+                          vocab=self._ctx.vocab)
         stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
@@ -368,8 +324,11 @@ class SFILlama:
                       top_k: int = 40, seed: int | None = None, stop: str | Sequence[str] | None = None,
                       min_p: float = 0.05, repeat_penalty: float = 1.0, ignore_eos: bool = False,
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
-                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None):
-        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`: as there)."""
+                      sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None,
+                      grammar=None, typical_p: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
+                      mirostat_eta: float = 0.1, logit_bias: dict | None = None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`: as
+        there)."""
         from .batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
@@ -381,9 +340,13 @@ class SFILlama:
             raise ValueError(f"the prompt has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                                 repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty)
+                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
+                                logit_bias=logit_bias_items(logit_bias))
         params.validate()
-        return Request(tokens=tokens, sampler=Sampler(params, self._ctx.n_vocab, logprobs=logprobs), max_tokens=max_tokens,
+        sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
+                          vocab=self._ctx.vocab)
+        return Request(tokens=tokens, sampler=sampler, max_tokens=max_tokens,
                        stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel)
 
     @_serialised
@@ -411,20 +374,6 @@ class SFILlama:
     def create_chat_completion(self, messages: Sequence[Message], *args, **kwargs):
         """`llama_cpp.Llama.create_chat_completion` with the GGUF's chat template, plus `sfi=`."""
         return openai_api.create_chat_completion(self, messages, *args, **kwargs)
-
-
-def _sfi_config(sfi) -> SFIConfig:
-    if sfi is True or sfi is None:
-        return SFIConfig()
-    if sfi is False:
-        return SFIConfig(policy="dense")
-    if isinstance(sfi, str):
-        return SFIConfig(policy=sfi)
-    if isinstance(sfi, SFIConfig):
-        return sfi
-    if isinstance(sfi, dict):  # e.g. the "sfi" field of a server request: fields and parameters by name
-        return SFIConfig(**sfi)
-    raise ValueError(f"sfi must be an SFIConfig, a policy name, a dict of SFIConfig keywords or a bool, got {sfi!r}")
 
 
 def _normalize_message(m: Message) -> Message:
@@ -471,24 +420,6 @@ def _check_flags(**flags) -> None:
     for name, value in flags.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_fits(config: SFIConfig, n_ctx: int) -> None:
-    """An explicit k_head above the context cannot be what the caller meant: say so, naming it.
-
-    (k_head == n_ctx is fine: a budget covering the whole context, used to compare with dense.)
-    """
-    if not config.dense and config.k_head is not None and config.k_head > n_ctx:
-        raise ValueError(f"SFIConfig.k_head={config.k_head}: larger than the context (n_ctx={n_ctx}); "
-                         "use k_head <= n_ctx, or k_head=None to scale it to the context")
-
-
-def _check_split(config: SFIConfig, split_mode: str) -> None:
-    """SFI gathers each layer's selected cells on the device that holds the layer's KV cache; with
-    split_mode "row" the matrices of a layer are split across GPUs, a layout SFI is not built or tested for."""
-    if not config.dense and split_mode == "row":
-        raise ValueError("split_mode='row' is not supported with SFI; use split_mode='layer' (whole layers per GPU, "
-                         "the default) or 'none', or sfi=False for dense decoding")
 
 
 def _closing(pieces: Iterator[str], sampler: Sampler, owner: "SFILlama", generation: int) -> Iterator[str]:

@@ -4,20 +4,25 @@ Same arguments, defaults and return dicts as `llama_cpp.Llama` 0.3.36 (see its `
 code written for llama-cpp-python (or the OpenAI API) runs unchanged. SFI statistics ride along in an
 extra "sfi_stats" key (the last chunk when streaming), which clients that do not know it ignore.
 Arguments we do not implement raise `NotImplementedError` instead of being silently ignored.
+
+Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, the legacy `functions` / `function_call`) is in
+`tool_calls`; `grammar`, `response_format` json_object / json_schema and a forced tool choice run
+llama.cpp's grammar sampler in the sampler chain (JSON schemas converted by llama-cpp-python's converter).
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import time
 import uuid
 from typing import Any, Iterator
 
+from . import tool_calls
+
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
 _NOT_USED = {
-    "suffix": None, "echo": False, "typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0,
-    "stopping_criteria": None, "logits_processor": None, "grammar": None, "logit_bias": None,
-    "functions": None, "function_call": None, "tools": None, "tool_choice": "none",
+    "suffix": None, "echo": False, "tfs_z": 1.0, "stopping_criteria": None, "logits_processor": None,
 }
 
 
@@ -25,9 +30,49 @@ def _check_supported(args: dict[str, Any]) -> None:
     used = [k for k, neutral in _NOT_USED.items() if k in args and args[k] not in (None, neutral)
             and not (isinstance(args[k], (list, dict)) and not args[k])]
     if used:
-        hint = (" (tool calling: see examples/agent_loop.py for a plain-text tool protocol)"
-                if {"tools", "functions", "tool_choice", "function_call"} & set(used) else "")
+        hint = ("; tfs_z is no longer one of llama.cpp's samplers" if used == ["tfs_z"] else
+                "; sfi_gguf.Llama (llama-cpp-python's Llama decoding with SFI) has them")
         raise NotImplementedError(f"SFILlama does not support {', '.join(used)}{hint}")
+
+
+def grammar_text(grammar) -> str | None:
+    """A `grammar` argument (None, a llama_cpp.LlamaGrammar, GBNF text) as GBNF text."""
+    if grammar is None or isinstance(grammar, str):
+        return grammar or None
+    text = getattr(grammar, "_grammar", None)
+    if not isinstance(text, str):
+        raise ValueError(f"grammar must be a llama_cpp.LlamaGrammar or GBNF text, got {grammar!r}")
+    return text
+
+
+def response_format_grammar(response_format) -> str | None:
+    """GBNF for a response_format: None for text; JSON for json_object (its "schema" if given); the schema of
+    json_schema ({"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}})."""
+    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict) or response_format.get("type") not in ("text", "json_object",
+                                                                                  "json_schema"):
+        raise ValueError("response_format must be {'type': 'text'}, {'type': 'json_object'} or {'type': "
+                         f"'json_schema', 'json_schema': {{'schema': ...}}}}, got {response_format!r}")
+    kind = response_format["type"]
+    if kind == "text":
+        return None
+    schema = response_format.get("schema")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ValueError(f"response_format json_schema needs json_schema.schema (an object), got {spec!r}")
+    if schema is None:
+        return JSON_GBNF
+    if not isinstance(schema, dict):
+        raise ValueError(f"response_format schema must be a JSON schema object, got {schema!r}")
+    try:
+        return json_schema_to_gbnf(json.dumps(schema))
+    except Exception as exc:  # the converter raises plain Exceptions and others for what it cannot convert
+        raise ValueError(f"response_format: the JSON schema cannot be turned into a grammar: {exc}") from None
 
 
 def stats_dict(stats) -> dict[str, Any]:
@@ -57,10 +102,18 @@ def _json_safe(x):
 
 
 def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-              presence_penalty, sfi) -> dict[str, Any]:
-    return dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
-                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-                presence_penalty=presence_penalty, sfi=sfi)
+              presence_penalty, sfi, grammar=None, typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0,
+              mirostat_eta=0.1, logit_bias=None) -> dict[str, Any]:
+    out = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
+               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
+               presence_penalty=presence_penalty, sfi=sfi)
+    extra = dict(typical_p=typical_p, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
+                 mirostat_eta=mirostat_eta, logit_bias=logit_bias)
+    neutral = dict(typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None)
+    out.update({k: v for k, v in extra.items() if v != neutral[k]})  # (a slot client passes what it is given)
+    if grammar is not None:
+        out["grammar"] = grammar
+    return out
 
 
 # -- completions ----------------------------------------------------------------------------------
@@ -77,7 +130,8 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     _check_supported(locals())
     prompts = _prompt_list(prompt)
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi)
+                         presence_penalty, sfi, grammar_text(grammar), typical_p, mirostat_mode, mirostat_tau,
+                         mirostat_eta, logit_bias)
     head = _head("cmpl", model, llm)
     if len(prompts) == 1:
         return _completion(llm, prompts[0], llm.prompt_tokens(prompts[0]), max_tokens, stream, logprobs, sampling,
@@ -187,15 +241,14 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
                            stop=None, seed=None, response_format=None, max_tokens=None, presence_penalty=0.0,
                            frequency_penalty=0.0, repeat_penalty=1.0, tfs_z=1.0, mirostat_mode=0,
                            mirostat_tau=5.0, mirostat_eta=0.1, model=None, logits_processor=None, grammar=None,
-                           logit_bias=None, logprobs=None, top_logprobs=None, *, sfi=None):
+                           logit_bias=None, logprobs=None, top_logprobs=None, *, sfi=None, parallel_tool_calls=None):
     """`llama_cpp.Llama.create_chat_completion`: a chat.completion dict, or chat.completion.chunk dicts.
 
-    The prompt is the GGUF's chat template applied to `messages`. A conversation that grows turn by
-    turn reuses the KV cache of everything before the new messages.
+    The prompt is the GGUF's chat template applied to `messages` (and `tools`). A conversation that grows
+    turn by turn reuses the KV cache of everything before the new messages. With tools, the model's calls
+    come back as the message's `tool_calls` (streamed as `delta.tool_calls`), finish_reason "tool_calls".
     """
     _check_supported(locals())
-    if response_format not in (None, {"type": "text"}):
-        raise NotImplementedError(f"response_format {response_format!r} is not supported (only text)")
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     if logprobs not in (None, True, False):
@@ -203,19 +256,31 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
                                      or not 0 <= top_logprobs <= 20):
         raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
-    tokens = llm.prompt_tokens(list(messages))
+    request = tool_calls.tool_request(tools, tool_choice, functions, function_call, parallel_tool_calls)
+    constraint = [(name, g) for name, g in (("grammar", grammar_text(grammar)),
+                                            ("response_format", response_format_grammar(response_format)),
+                                            (f"tool_choice {request.choice!r}",
+                                             tool_calls.grammar(request) if request.forced else None)) if g]
+    if len(constraint) > 1:
+        raise ValueError(f"{' and '.join(n for n, _ in constraint)} both constrain the answer; give one")
+    tokens = llm.prompt_tokens(tool_calls.template_messages(list(messages)),
+                               tools=request.tools)  # tool_choice "none": shown, not called (the prefix stays)
     n_top = (top_logprobs or 0) if logprobs else None
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi)
+                         presence_penalty, sfi, constraint[0][1] if constraint else None, typical_p, mirostat_mode,
+                         mirostat_tau, mirostat_eta, logit_bias)
     result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,
                        lambda records: _chat_logprobs(llm, records), _head("cmpl", model, llm))
     if stream:
-        return _chat_chunks(result)
+        return _chat_chunks(result, request)
     choice = result["choices"][0]
+    message = {"role": "assistant", "content": choice["text"]}
+    finish = choice["finish_reason"]
+    if request.active:
+        message, finish = tool_calls.message(choice["text"], finish, request)
     return {"id": "chat" + result["id"], "object": "chat.completion", "created": result["created"],
             "model": result["model"],
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": choice["text"]},
-                         "logprobs": choice["logprobs"], "finish_reason": choice["finish_reason"]}],
+            "choices": [{"index": 0, "message": message, "logprobs": choice["logprobs"], "finish_reason": finish}],
             "usage": result["usage"], "sfi_stats": result["sfi_stats"]}
 
 
@@ -230,18 +295,28 @@ def _chat_logprobs(llm, records) -> dict:
             "refusal": None}
 
 
-def _chat_chunks(chunks: Iterator[dict]) -> Iterator[dict]:
+def _chat_chunks(chunks: Iterator[dict], request=None) -> Iterator[dict]:
+    calls = tool_calls.CallStream(request) if request is not None and request.active else None
     try:
         for i, chunk in enumerate(chunks):
             head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
                     "object": "chat.completion.chunk"}
+            delta = lambda d, finish=None: {**head, "choices": [  # noqa: E731
+                {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
             if i == 0:
-                yield {**head, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
-                                            "finish_reason": None}]}
+                yield delta({"role": "assistant"})
             c = chunk["choices"][0]
-            delta = {"content": c["text"]} if c["finish_reason"] is None else {}
-            out = {**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                        "finish_reason": c["finish_reason"]}]}
+            if c["finish_reason"] is None:
+                if calls is None:
+                    yield delta({"content": c["text"]})
+                else:
+                    yield from map(delta, calls.deltas(c["text"]))
+                continue
+            finish = c["finish_reason"]
+            if calls is not None:
+                yield from map(delta, calls.deltas(None))
+                finish = calls.finish_reason(finish)
+            out = delta({}, finish)
             if "sfi_stats" in chunk:
                 out["sfi_stats"] = chunk["sfi_stats"]
             yield out

@@ -31,6 +31,11 @@ class SamplingParams:
     seed: int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    typical_p: float = 1.0
+    mirostat_mode: int = 0        # 1: Mirostat, 2: Mirostat 2.0 (in place of top-k/top-p/min-p)
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    logit_bias: tuple = ()        # ((token, bias), ...): added to the logits before everything else
 
     @property
     def has_penalties(self) -> bool:
@@ -53,10 +58,35 @@ class SamplingParams:
             ("penalty_last_n", is_int(self.penalty_last_n) and self.penalty_last_n >= 0, "an integer >= 0"),
             ("seed", self.seed is None or (is_int(self.seed) and 0 <= self.seed < 2**32),
              "None or an integer in [0, 2**32)"),
+            ("typical_p", finite(self.typical_p) and 0 < self.typical_p <= 1, "a number in (0, 1]"),
+            ("mirostat_mode", is_int(self.mirostat_mode) and self.mirostat_mode in (0, 1, 2), "0, 1 or 2"),
+            ("mirostat_tau", finite(self.mirostat_tau) and self.mirostat_tau > 0, "a finite number > 0"),
+            ("mirostat_eta", finite(self.mirostat_eta) and self.mirostat_eta > 0, "a finite number > 0"),
+            ("logit_bias", isinstance(self.logit_bias, tuple) and all(
+                isinstance(e, tuple) and len(e) == 2 and is_int(e[0]) and e[0] >= 0
+                and is_real(e[1]) and not math.isnan(e[1]) for e in self.logit_bias),
+             "a map of token ids to numbers"),
         )
         for name, ok, what in checks:
             if not ok:
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+
+def logit_bias_items(logit_bias) -> tuple:
+    """A `logit_bias` argument ({token id (an int, or its digits as JSON keys are): bias}) as SamplingParams
+    takes it; ValueError naming it otherwise."""
+    if logit_bias is None:
+        return ()
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a map of token ids to numbers, got {logit_bias!r}")
+    items = []
+    for token, bias in logit_bias.items():
+        if isinstance(token, str) and token.strip().lstrip("-").isdigit():
+            token = int(token)
+        if not is_int(token) or not is_real(bias) or math.isnan(bias):
+            raise ValueError(f"logit_bias must be a map of token ids to numbers, got {token!r}: {bias!r}")
+        items.append((int(token), float(bias)))
+    return tuple(items)
 
 
 def is_int(value) -> bool:
@@ -75,9 +105,13 @@ class Sampler:
     `logprobs` n (not None): every sampled token is recorded in `self.logprobs` as
     (token, its log-probability, [(token, log-probability)] of the n most likely tokens), from the raw
     logits (before penalties and temperature), as llama-cpp-python reports them.
+    `grammar` (GBNF text, root rule "root"; needs `vocab`): llama.cpp's grammar sampler in the chain, after
+    the penalties, as llama-cpp-python places it: only tokens the grammar allows are sampled, and once it
+    is complete only end-of-generation.
     """
 
-    def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None,
+                 grammar: str | None = None, vocab=None):
         params.validate()
         if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
@@ -85,21 +119,49 @@ class Sampler:
         self.logprobs: list[tuple[int, float, list[tuple[int, float]]]] = []
         # plain greedy reads the logits in place (an argmax over a zero-copy view): llama_sampler_sample
         # would first build a candidate array of the whole vocabulary, ~0.2 ms per token
-        self._plain_greedy = params.temperature <= 0.0 and not params.has_penalties
+        self._plain_greedy = (params.temperature <= 0.0 and not params.has_penalties and grammar is None
+                              and not params.logit_bias)
         self.params = params
         self.seed = int(params.seed) if params.seed is not None else random.randrange(2**32 - 1)
+        self._chain = None
+        grammar_sampler = None
+        if grammar is not None:
+            if not isinstance(grammar, str) or not grammar.strip() or vocab is None:
+                raise ValueError(f"grammar must be GBNF text (a non-empty string), got {grammar!r}")
+            grammar_sampler = llama_cpp.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), b"root")
+            if not grammar_sampler:
+                raise ValueError("grammar: llama.cpp could not parse it (GBNF with a 'root' rule expected)")
+        bad = [t for t, _ in params.logit_bias if t >= n_vocab]
+        if bad:
+            if grammar_sampler is not None:
+                llama_cpp.llama_sampler_free(grammar_sampler)
+            raise ValueError(f"logit_bias: token ids out of range [0, {n_vocab}): {bad[:5]}")
         chain = llama_cpp.llama_sampler_chain_init(llama_cpp.llama_sampler_chain_default_params())
         add = lambda s: llama_cpp.llama_sampler_chain_add(chain, s)  # noqa: E731
+        if params.logit_bias:  # first, as llama-cpp-python applies it (a logits processor ahead of the chain)
+            biases = (llama_cpp.llama_logit_bias * len(params.logit_bias))(
+                *[llama_cpp.llama_logit_bias(t, max(-1e30, min(1e30, b))) for t, b in params.logit_bias])
+            add(llama_cpp.llama_sampler_init_logit_bias(n_vocab, len(params.logit_bias), biases))
         if params.has_penalties:
             add(llama_cpp.llama_sampler_init_penalties(n_vocab, int(params.penalty_last_n),
                                                        float(params.repeat_penalty),
                                                        float(params.frequency_penalty),
                                                        float(params.presence_penalty)))
+        if grammar_sampler is not None:
+            add(grammar_sampler)
         if params.temperature <= 0.0:
             add(llama_cpp.llama_sampler_init_greedy())
+        elif params.mirostat_mode == 1:  # as llama-cpp-python: Mirostat in place of top-k ... dist (m = 100)
+            add(llama_cpp.llama_sampler_init_mirostat(n_vocab, self.seed, float(params.mirostat_tau),
+                                                      float(params.mirostat_eta), 100))
+        elif params.mirostat_mode == 2:
+            add(llama_cpp.llama_sampler_init_mirostat_v2(self.seed, float(params.mirostat_tau),
+                                                         float(params.mirostat_eta)))
         else:
             if params.top_k > 0:
                 add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
+            if params.typical_p < 1.0:
+                add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
             add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
             if params.min_p > 0.0:
                 add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))

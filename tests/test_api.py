@@ -43,7 +43,8 @@ def test_signatures_are_llama_cpp_pythons():
 
     for ours, theirs in ((openai_api.create_completion, Llama.create_completion),
                          (openai_api.create_chat_completion, Llama.create_chat_completion)):
-        a = {n: p.default for n, p in inspect.signature(ours).parameters.items() if n not in ("llm", "sfi")}
+        a = {n: p.default for n, p in inspect.signature(ours).parameters.items()
+             if n not in ("llm", "sfi", "parallel_tool_calls")}  # (our keyword-only extras)
         b = {n: p.default for n, p in inspect.signature(theirs).parameters.items() if n != "self"}
         assert list(a) == list(b)
         assert {n: d for n, d in a.items() if n != "stop"} == {n: d for n, d in b.items() if n != "stop"}
@@ -94,20 +95,46 @@ def test_stop_string(llm, completion):
     assert streamed == out["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True}, {"grammar": object()},
-                                    {"logit_bias": {1: 2.0}}, {"mirostat_mode": 2}, {"typical_p": 0.5},
+@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True}, {"tfs_z": 0.5},
                                     {"logprobs": 1, "stream": True}])
 def test_unsupported_completion_arguments_raise(llm, kwargs):
     with pytest.raises(NotImplementedError):
         llm.create_completion(PROMPT, max_tokens=2, **kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [{"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-                                    {"functions": [{"name": "f", "parameters": {}}]},
-                                    {"response_format": {"type": "json_object"}}])
-def test_unsupported_chat_arguments_raise(llm, kwargs):
-    with pytest.raises(NotImplementedError):
+@pytest.mark.parametrize("kwargs, match", [
+    ({"tool_choice": "required"}, "needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {"type": "function",
+                                                                                   "function": {"name": "g"}}}, "'g'"),
+    ({"tools": [{"function": {}}]}, "tools must be"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"grammar": object()}, "grammar"),
+    ({"grammar": 'root ::= "a"', "response_format": {"type": "json_object"}}, "grammar and response_format"),
+    ({"grammar": "root ::= nothing-defined"}, "grammar"),
+])
+def test_bad_tool_and_format_arguments_name_the_option(llm, kwargs, match):
+    with pytest.raises(ValueError, match=match):
         llm.create_chat_completion(CHAT, max_tokens=2, **kwargs)
+
+
+def test_logit_bias_typical_and_mirostat(llm):
+    banana = llm.tokenize(" banana", add_special=False)[0]
+    assert llm.generate(PROMPT, max_tokens=3, temperature=0, logit_bias={banana: 100.0}).tokens == [banana] * 3
+    greedy = llm.generate(PROMPT, max_tokens=1, temperature=0).tokens[0]
+    assert llm.generate(PROMPT, max_tokens=1, temperature=0, logit_bias={str(greedy): -100}).tokens[0] != greedy
+    for kwargs in ({"typical_p": 0.5}, {"mirostat_mode": 1}, {"mirostat_mode": 2, "mirostat_tau": 3.0}):
+        runs = [llm.generate(PROMPT, max_tokens=8, temperature=0.8, seed=7, **kwargs).tokens for _ in range(2)]
+        assert runs[0] == runs[1] and len(runs[0]) == 8, kwargs  # seeded: the same draw twice
+    out = llm(PROMPT, max_tokens=2, temperature=0, logit_bias={banana: 100.0})
+    assert out["choices"][0]["text"] == " banana" * 2
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm(PROMPT, max_tokens=1, logit_bias={"x": 1})
+    with pytest.raises(ValueError, match="logit_bias: token ids out of range"):
+        llm(PROMPT, max_tokens=1, logit_bias={10**7: 1})
+    with pytest.raises(ValueError, match="mirostat_mode"):
+        llm(PROMPT, max_tokens=1, mirostat_mode=3)
+    with pytest.raises(ValueError, match="typical_p"):
+        llm(PROMPT, max_tokens=1, typical_p=0)
 
 
 def test_bad_input_is_a_value_error(llm):

@@ -69,8 +69,9 @@ def test_completion_round_trip_with_stop_and_sfi_options(client):
 
 def test_bad_requests_are_400(client, server):
     tool = {"type": "function", "function": {"name": "f", "parameters": {}}}
-    with pytest.raises(openai.BadRequestError, match="tools"):
-        client.chat.completions.create(model="x", messages=CHAT, tools=[tool])
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(model="x", messages=CHAT, tools=[tool],
+                                       tool_choice={"type": "function", "function": {"name": "g"}})
     with pytest.raises(openai.BadRequestError, match="bogus"):
         client.completions.create(model="x", prompt="Hi", max_tokens=1, extra_body={"bogus": 1})
     with pytest.raises(openai.BadRequestError, match="n=1"):

@@ -161,6 +161,11 @@ GOOD = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     (json.dumps({**GOOD, "prompt": [5] * 9000}).encode(), "n_ctx"),
     (json.dumps({**GOOD, "bogus": 1}).encode(), "unsupported field(s): bogus"),
     (json.dumps({**GOOD, "sfi": {"k_head": "x"}}).encode(), "SFIConfig.k_head"),
+    (json.dumps({**GOOD, "grammar": "root ::= undefined-rule"}).encode(), "grammar"),
+    (json.dumps({**GOOD, "grammar": 5}).encode(), "grammar must be"),
+    (json.dumps({**GOOD, "logit_bias": {"a": 1}}).encode(), "logit_bias must be"),
+    (json.dumps({**GOOD, "mirostat_mode": 7}).encode(), "mirostat_mode must be"),
+    (json.dumps({**GOOD, "typical_p": 2}).encode(), "typical_p must be"),
 ])
 def test_bad_completion_bodies_are_400(one, body, match):
     status, _, raw = one.raw(_request("POST", "/v1/completions", body))
@@ -173,6 +178,15 @@ def test_bad_completion_bodies_are_400(one, body, match):
     ({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 99, "logprobs": True}, "top_logprobs"),
     ({"messages": [{"role": "user", "content": "hi"}]}, "no chat template"),  # (this model has none)
     ({"prompt": "hi"}, "'messages' is required"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool_choice 'required' needs tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools must be"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}],
+      "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not in tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema"}}, "json_schema"),
+    ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
+    ({"messages": [{"role": "user", "content": "hi"}], "grammar": 'root ::= "a"',
+      "response_format": {"type": "json_object"}}, "both constrain"),
 ])
 def test_bad_chat_bodies_are_400(one, body, match):
     status, _, raw = one.raw(_request("POST", "/v1/chat/completions", json.dumps(body).encode()))
@@ -180,7 +194,9 @@ def test_bad_chat_bodies_are_400(one, body, match):
 
 
 def test_penalties(one):
-    for penalty in ({"repeat_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5}):
+    for penalty in ({"repeat_penalty": 1.3}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.5},
+                    {"logit_bias": {"5": 3.0}}, {"typical_p": 0.5, "temperature": 0.8, "seed": 1},
+                    {"mirostat_mode": 2, "temperature": 0.8, "seed": 1}):
         status, reply = one.post("/v1/completions", {**GOOD, **penalty})
         assert status == 200 and reply["usage"]["completion_tokens"] == 4, reply
 

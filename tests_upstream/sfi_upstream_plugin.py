@@ -11,6 +11,12 @@ pytest config, unmodified). This plugin only:
 3. deselects, with the reason, the tests that cannot pass with any stand-in (DESELECT below);
 4. writes a JSON report of every test's outcome (SFI_UPSTREAM_REPORT), printed by the script.
 
+With SFI_UPSTREAM_DROPIN=1 it also puts `sfi_gguf.Llama` in place of `llama_cpp.Llama` (the tests call
+`llama_cpp.Llama(...)`), so the same tests run through SFI's token loop; the report then says, per test,
+which models decoded through SFI and how many of their steps were fast, slow and dense.
+SFI_UPSTREAM_SFI (a JSON object of SFIConfig fields) replaces the default SFI settings of those models,
+e.g. a small memory that makes SFI sparse at the tests' 32- and 64-cell contexts.
+
 Environment (set by the script): LLAMA_CPP_LIB_PATH, SFI_UPSTREAM_SDIST (extracted sdist root),
 SFI_UPSTREAM_DEFAULT_MODEL (sfi-gguf's default model), SFI_UPSTREAM_MODEL_CACHE (where random-weight
 models are generated), SFI_UPSTREAM_REPORT (JSON report path).
@@ -146,8 +152,53 @@ def _hf_hub_download(repo_id: str, filename: str, *args, **kwargs) -> str:
     return str(path)
 
 
+# --- 1b. sfi_gguf.Llama in place of llama_cpp.Llama (SFI_UPSTREAM_DROPIN=1) -------------------------
+
+def _install_dropin() -> dict:
+    import llama_cpp
+    import sfi_gguf
+    from sfi_gguf.config import SFIConfig
+
+    overrides = json.loads(os.environ.get("SFI_UPSTREAM_SFI") or "{}")
+    default_sfi = SFIConfig(**overrides) if overrides else True
+
+    class DropInLlama(sfi_gguf.Llama):
+        """sfi_gguf.Llama, counting what its generations did (the report's per-test SFI steps)."""
+
+        def __init__(self, *args, **kwargs):
+            kwargs.setdefault("sfi", default_sfi)
+            super().__init__(*args, **kwargs)
+            entry = _state["sfi"].setdefault(_state["current"] or "?", {
+                "models": 0, "sfi_active": 0, "unavailable": [], "n_fast": 0, "n_slow": 0, "n_bootstrap": 0,
+                "n_dense": 0})
+            entry["models"] += 1
+            if self.sfi_active:
+                entry["sfi_active"] += 1
+            else:
+                entry["unavailable"].append(self.sfi_unavailable)
+            self._sfi_report = entry
+
+        def _sfi_prefill(self, prompt):
+            super()._sfi_prefill(prompt)
+            stats = self.last_sfi_stats  # a new stepper's: summed into the report when the test ends
+            if stats is not None:
+                _state["steppers"].setdefault(id(self._sfi_report), (self._sfi_report, []))[1].append(stats)
+
+    DropInLlama.__name__ = DropInLlama.__qualname__ = "Llama"
+    DropInLlama.__module__ = "sfi_gguf"
+    llama_cpp.Llama = DropInLlama
+    import llama_cpp.llama
+
+    llama_cpp.llama.Llama = DropInLlama
+    return {"dropin": "sfi_gguf.Llama in place of llama_cpp.Llama", "sfi": overrides or "defaults"}
+
+
 def pytest_configure(config):
     _state["lib"] = _check_library()
+    _state["sfi"] = {}
+    _state["steppers"] = {}
+    if os.environ.get("SFI_UPSTREAM_DROPIN") == "1":
+        _state["lib"].update(_install_dropin())
     import huggingface_hub
 
     huggingface_hub.hf_hub_download = _hf_hub_download  # before the test modules import it
@@ -159,7 +210,7 @@ def pytest_report_header(config):
         f"sfi-upstream: llama-cpp-python {lib['llama_cpp_python']} tests against {lib['library']} "
         f"(llama_sfi_version {lib['llama_sfi_version']})",
         f"sfi-upstream: llama_cpp.mtmd_cpp {lib['mtmd']}",
-    ]
+    ] + ([f"sfi-upstream: {lib['dropin']}, SFI settings: {lib['sfi']}"] if "dropin" in lib else [])
 
 
 # --- 3. tests that cannot run ------------------------------------------------------------------
@@ -190,6 +241,13 @@ def pytest_runtest_setup(item):
     _state["current"] = item.nodeid  # before the fixtures (which call hf_hub_download) run
 
 
+def pytest_runtest_teardown(item):
+    for entry, stats in _state.get("steppers", {}).values():
+        for key in ("n_fast", "n_slow", "n_bootstrap", "n_dense"):
+            entry[key] += sum(getattr(s, key) for s in stats)
+    _state.get("steppers", {}).clear()
+
+
 def pytest_runtest_logreport(report):
     entry = _state["results"].setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
     entry["duration_s"] = round(entry["duration_s"] + report.duration, 2)
@@ -204,6 +262,12 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     tr.section("sfi-upstream: deselected (cannot run here)")
     for nodeid, reason in _state["deselected"].items():
         tr.write_line(f"{nodeid}: {reason}")
+    if _state["sfi"]:
+        tr.section("sfi-upstream: sfi_gguf.Llama per test (models through SFI; steps fast / slow / dense)")
+        for nodeid, e in _state["sfi"].items():
+            tr.write_line(f"{nodeid}: {e['sfi_active']} of {e['models']} models through SFI; steps "
+                          f"{e['n_fast']} fast, {e['n_slow']} slow (+{e['n_bootstrap']} bootstrap), {e['n_dense']} dense"
+                          + (f"; not SFI: {sorted(set(e['unavailable']))}" if e["unavailable"] else ""))
     tr.section("sfi-upstream: stand-ins for hub models")
     for nodeid, requests in _state["requests"].items():
         for r in requests:
@@ -213,6 +277,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         results = dict(_state["results"])
         for nodeid, requests in _state["requests"].items():
             results.setdefault(nodeid, {})["stand_ins"] = sorted({r["stand_in"] for r in requests})
+        for nodeid, sfi in _state["sfi"].items():
+            results.setdefault(nodeid, {})["sfi"] = sfi
         for nodeid, reason in _state["deselected"].items():
             results[nodeid] = {"outcome": "deselected", "reason": reason}
         Path(out).write_text(json.dumps({
