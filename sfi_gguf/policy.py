@@ -314,10 +314,6 @@ class FixedParams(PolicyParams):
     def validate(self) -> None:
         self.need_int("fixed_period", 1)
 
-    @property
-    def t_max(self) -> int:
-        return self.fixed_period
-
 
 @register_policy
 class FixedPeriodPolicy(TriggerPolicy):

@@ -177,11 +177,3 @@ def test_the_native_defaults_are_the_python_defaults_and_every_field_is_passed()
     assert c_params["evidence_alpha"] == SFISelectorParams.alpha == config.selector_params.evidence_alpha
     assert c_params["n_sel_max"] == K_HEAD_LONG_CONTEXT + config.n_sink + config.n_recent
     assert TopKMassParams().evidence_alpha == SFISelectorParams.alpha  # the export's alpha without an SFI Selector
-
-
-def test_the_counting_policies_size_the_fast_step_tail_by_their_period():
-    """The native tail holds the tokens decoded since the last refresh: a policy that refreshes every N steps
-    by counting says so (t_max), and the tail is sized from it."""
-    assert SFIConfig(policy="punctuation", refresh_interval=300).policy_params.t_max == 300
-    assert SFIConfig(policy="fixed", fixed_period=300).policy_params.t_max == 300
-    assert SFIConfig(policy="static").policy_params.t_max is None
