@@ -177,3 +177,11 @@ def test_the_native_defaults_are_the_python_defaults_and_every_field_is_passed()
     assert c_params["evidence_alpha"] == SFISelectorParams.alpha == config.selector_params.evidence_alpha
     assert c_params["n_sel_max"] == K_HEAD_LONG_CONTEXT + config.n_sink + config.n_recent
     assert TopKMassParams().evidence_alpha == SFISelectorParams.alpha  # the export's alpha without an SFI Selector
+
+
+def test_the_punctuation_policy_sizes_the_fast_step_tail_by_its_refresh_interval():
+    """The native tail holds the tokens decoded since the last refresh (a full tail is refreshed cheaply):
+    the punctuation policy's T_max sizes it; the other policies take the 256-cell floor."""
+    assert SFIConfig(policy="punctuation", refresh_interval=300).policy_params.t_max == 300
+    assert SFIConfig(policy="fixed", fixed_period=300).policy_params.t_max is None
+    assert SFIConfig(policy="static").policy_params.t_max is None
