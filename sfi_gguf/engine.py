@@ -18,6 +18,11 @@ from .generate import DenseStepper
 # Qwen3-8B Q4_K_M, 1.02x).
 GPU_MIN_CONTEXT = 32768
 
+# On the CPU, with the default budget (k_head a quarter of the context), SFI starts at this context (unless
+# SFIConfig.min_context or an explicit k_head says otherwise): the default model on 2 threads measured 0.95x dense
+# at 1K cells and 1.13x at 2K (BENCHMARKS.md, "Speed on the CPU").
+CPU_MIN_CONTEXT = 2048
+
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
 # (unless SFIConfig.min_context says otherwise): the H200 measured 1.28x batched dense at 16 x 32K and
 # 2.05x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
@@ -83,6 +88,9 @@ class SFIEngine:
             # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
             # H200 (BENCHMARKS.md, "Speed on the GPU")
             return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
+        if not self.n_gpu_layers and config.min_context is None and config.k_head is None:
+            # the CPU with the default budget: dense below CPU_MIN_CONTEXT (above it the budget rule always holds)
+            return dataclasses.replace(config, min_context=CPU_MIN_CONTEXT)
         return config
 
     def stepper(self, config: SFIConfig, ctx: LlamaContext | None = None, batched: bool = False):

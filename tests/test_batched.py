@@ -98,7 +98,7 @@ def test_gpu_defaults(llm):
     """With offloaded layers a batch uses SFI from 32K cells per sequence unless min_context is set
     (BENCHMARKS.md: batched SFI measured 1.28x dense at 16 x 32K on the H200), a single sequence too, and the
     Selector runs in the slow step's graph unless device_selector says otherwise; on the CPU neither."""
-    from sfi_gguf.engine import GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
+    from sfi_gguf.engine import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
 
     config = SFIConfig()
     gpu = SFIEngine(llm._ctx, 99, llm.split_mode)  # only the config logic: nothing is offloaded here
@@ -107,7 +107,9 @@ def test_gpu_defaults(llm):
     assert gpu.effective_config(config.replace(min_context=8192), batched=True).min_context == 8192
     assert gpu.effective_config(config).device_selector is True
     assert gpu.effective_config(config.replace(device_selector=False)).device_selector is False
-    assert llm.effective_config(config, batched=True).min_context is None  # the CPU: the budget rule
+    # the CPU: dense below 2K cells with the default budget; an explicit k_head keeps the budget rule
+    assert llm.effective_config(config, batched=True).min_context == CPU_MIN_CONTEXT
+    assert llm.effective_config(config.replace(k_head=64)).min_context is None
     assert llm.effective_config(config).device_selector is None  # the CPU: the numpy Selector
 
 
