@@ -34,14 +34,5 @@ if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidi
         -L.gpu/cupti -l:libcupti.so.13 -Wl,-rpath,'$ORIGIN'
 fi
 rm -rf "$tmp.cupti"
-git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: # the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
-if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
-    mkdir -p .gpu/cupti "$tmp.cupti/x"
-    for w in "$tmp.cupti"/*.whl; do (cd "$tmp.cupti/x" && unzip -q -o "$w"); done
-    cp "$tmp.cupti/x/nvidia/cu13/lib/libcupti.so.13" .gpu/cupti/
-    gcc -shared -fPIC -O2 -I"$tmp.cupti/x/nvidia/cu13/include" benchmarks/cupti_trace.c -o .gpu/cupti/libsfi_cupti_trace.so \
-        -L.gpu/cupti -l:libcupti.so.13 -Wl,-rpath,'$ORIGIN'
-fi
-rm -rf "$tmp.cupti"
-git rev-parse HEAD > .gpu/COMMIT
+git rev-parse HEAD > .gpu/COMMIT  # refresh before each run: git rev-parse HEAD > .gpu/COMMIT
 du -sh .gpu .gpu/*
