@@ -25,29 +25,6 @@ static __device__ __forceinline__ float sfi_to_float(T x);
 template <> __device__ __forceinline__ float sfi_to_float<half>(half x)   { return __half2float(x); }
 template <> __device__ __forceinline__ float sfi_to_float<float>(float x) { return x; }
 
-// the block's max of v (every thread gets it); buf holds a value per warp
-static __device__ __forceinline__ float sfi_block_max(float v, float * buf) {
-    v = warp_reduce_max(v);
-    __syncthreads();
-    if (threadIdx.x % WARP_SIZE == 0) {
-        buf[threadIdx.x / WARP_SIZE] = v;
-    }
-    __syncthreads();
-    v = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : -INFINITY;
-    return warp_reduce_max(v);
-}
-
-static __device__ __forceinline__ float sfi_block_sum(float v, float * buf) {
-    v = warp_reduce_sum(v);
-    __syncthreads();
-    if (threadIdx.x % WARP_SIZE == 0) {
-        buf[threadIdx.x / WARP_SIZE] = v;
-    }
-    __syncthreads();
-    v = threadIdx.x % WARP_SIZE < blockDim.x/WARP_SIZE ? buf[threadIdx.x % WARP_SIZE] : 0.0f;
-    return warp_reduce_sum(v);
-}
-
 // the scores of the rows j0 .. j0 + n_qc - 1 of n_q (as many as shared memory holds) for the block's cells, and per
 // row the block's (max, sum of exp(s - max)) in parts[(pair*n_blocks + block)*n_q + j]
 template <int D, typename TM>
@@ -62,7 +39,8 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
     constexpr int CHUNKS = D/8; // 16-byte loads of a key
 
     extern __shared__ float q_s[]; // [n_qc][D]
-    __shared__ float buf[WARP_SIZE];
+    __shared__ float buf_max[WARP_SIZE];
+    __shared__ float buf_sum[WARP_SIZE];
 
     // the heads vary fastest over the grid: the blocks that run together read whole cache rows (every head of a
     // cell lies in one row), not one head's slice of many rows
@@ -134,8 +112,9 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
                 s += sfi_to_float(*(const TM *) (m_base + c*nbm0 + (j % n_rows)*nbm1));
                 s_out[(size_t) j*n_kv + c] = s;
             }
-            const float m = sfi_block_max(s, buf);
-            const float e = sfi_block_sum(m == -INFINITY ? 0.0f : expf(s - m), buf);
+            // one buffer per reduction: every thread has read buf_max before any passes the sum's barrier
+            const float m = block_reduce<block_reduce_method::MAX, SFI_CELLS_PER_BLOCK>(s, buf_max);
+            const float e = block_reduce<block_reduce_method::SUM, SFI_CELLS_PER_BLOCK>(m == -INFINITY ? 0.0f : expf(s - m), buf_sum);
             if (threadIdx.x == 0) {
                 parts[(pair*gridDim.y + tile)*n_q + j] = make_float2(m, e);
             }
@@ -307,13 +286,14 @@ static __global__ void sfi_evidence_row_stats(const float2 * __restrict__ parts,
 
     const float2 * p = parts + pair*n_parts*n_q + j;
 
-    __shared__ float buf[WARP_SIZE];
+    __shared__ float buf_max[WARP_SIZE];
+    __shared__ float buf_sum[WARP_SIZE];
 
     float max = -INFINITY;
     for (int i = threadIdx.x; i < n_parts; i += blockDim.x) {
         max = fmaxf(max, p[(size_t) i*n_q].x);
     }
-    max = sfi_block_max(max, buf);
+    max = block_reduce<block_reduce_method::MAX, SFI_ROW_THREADS>(max, buf_max);
 
     float sum = 0.0f;
     if (max != -INFINITY) {
@@ -324,7 +304,7 @@ static __global__ void sfi_evidence_row_stats(const float2 * __restrict__ parts,
             }
         }
     }
-    sum = sfi_block_sum(sum, buf);
+    sum = block_reduce<block_reduce_method::SUM, SFI_ROW_THREADS>(sum, buf_sum);
 
     if (threadIdx.x == 0) {
         stats[pair*n_q + j] = make_float2(max, max == -INFINITY ? 0.0f : powf(sum, -alpha));
@@ -511,12 +491,7 @@ static __device__ __forceinline__ int sfi_block_exclusive_scan(int v, int * buf,
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
 
-    int incl = v;
-#pragma unroll
-    for (int o = 1; o < WARP_SIZE; o <<= 1) {
-        const int t = __shfl_up_sync(0xffffffff, incl, o);
-        incl += lane >= o ? t : 0;
-    }
+    const int incl = warp_prefix_inclusive_sum<int>(v);
     __syncthreads();
     if (lane == WARP_SIZE - 1) {
         buf[warp] = incl;
@@ -524,12 +499,7 @@ static __device__ __forceinline__ int sfi_block_exclusive_scan(int v, int * buf,
     __syncthreads();
     if (warp == 0) {
         const int n_warps = blockDim.x/WARP_SIZE;
-        int w = lane < n_warps ? buf[lane] : 0;
-#pragma unroll
-        for (int o = 1; o < WARP_SIZE; o <<= 1) {
-            const int t = __shfl_up_sync(0xffffffff, w, o);
-            w += lane >= o ? t : 0;
-        }
+        const int w = warp_prefix_inclusive_sum<int>(lane < n_warps ? buf[lane] : 0);
         if (lane < n_warps) {
             buf[lane] = w; // inclusive over the warps
         }
@@ -591,12 +561,7 @@ static __global__ void __launch_bounds__(SFI_TOP_K_THREADS) sfi_top_k_kernel(
                 cnt[j] = hist[255 - (lane*8 + j)];
                 sum += cnt[j];
             }
-            int incl = sum;
-#pragma unroll
-            for (int o = 1; o < WARP_SIZE; o <<= 1) {
-                const int t = __shfl_up_sync(0xffffffff, incl, o);
-                incl += lane >= o ? t : 0;
-            }
+            const int incl = warp_prefix_inclusive_sum<int>(sum);
             const int excl = incl - sum;
             if (excl < rem && rem <= incl) {
                 int acc = excl;
