@@ -116,6 +116,19 @@ static evidence_inputs make_inputs(const evidence_case & tc, std::mt19937 & rng)
     return in;
 }
 
+// computes out's graph on backend (its inputs set) and returns out's values
+template <typename T>
+static std::vector<T> compute_and_get(ggml_backend_t backend, ggml_context * ctx, ggml_tensor * out) {
+    ggml_cgraph * gf = ggml_new_graph(ctx);
+    ggml_build_forward_expand(gf, out);
+    GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+
+    std::vector<T> result(ggml_nelements(out));
+    GGML_ASSERT(ggml_nbytes(out) == result.size()*sizeof(T));
+    ggml_backend_tensor_get(out, result.data(), 0, ggml_nbytes(out));
+    return result;
+}
+
 // runs build() on backend with the case's inputs in tensors of the case's types; returns dst as F32
 static std::vector<float> run(ggml_backend_t backend, const evidence_case & tc, const evidence_inputs & in, bool reference,
         bool * supported) {
@@ -175,12 +188,7 @@ static std::vector<float> run(ggml_backend_t backend, const evidence_case & tc, 
         const std::vector<uint8_t> m_bytes = pack(tc.type_mask, in.mask, tc.n_kv);
         ggml_backend_tensor_set(mask, m_bytes.data(), 0, ggml_nbytes(mask));
 
-        ggml_cgraph * gf = ggml_new_graph(ctx);
-        ggml_build_forward_expand(gf, out);
-        GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
-
-        result.resize(ggml_nelements(out));
-        ggml_backend_tensor_get(out, result.data(), 0, ggml_nbytes(out));
+        result = compute_and_get<float>(backend, ctx, out);
         ggml_backend_buffer_free(buf);
     }
     ggml_free(ctx);
@@ -276,11 +284,7 @@ static std::vector<int32_t> run_top_k(ggml_backend_t backend, const top_k_case &
     if (*supported) {
         ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
         ggml_backend_tensor_set(a, x.data(), 0, ggml_nbytes(a));
-        ggml_cgraph * gf = ggml_new_graph(ctx);
-        ggml_build_forward_expand(gf, out);
-        GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
-        result.resize(ggml_nelements(out));
-        ggml_backend_tensor_get(out, result.data(), 0, ggml_nbytes(out));
+        result = compute_and_get<int32_t>(backend, ctx, out);
         ggml_backend_buffer_free(buf);
     }
     ggml_free(ctx);
