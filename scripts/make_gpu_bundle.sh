@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Prepare .gpu/ (git-ignored, < 64 MiB) for a GPU machine that reaches no package index:
 #   .gpu/llama.cpp   the pinned llama.cpp tree, unpatched, trimmed to what a CUDA build reads
-#   .gpu/wheels      pure-Python wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf,
-#                    starlette, uvicorn)
+#   .gpu/wheels      wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf, starlette,
+#                    uvicorn; py-spy for gpu_run.sh's host-profile stage)
 #   .gpu/vocab.gguf  the default model's tokenizer alone (random-weight benchmark models carry it)
 #   .gpu/cupti       libcupti (PyPI) and benchmarks/cupti_trace.c built against it, for gpu_run.sh's trace stage
 # Then scripts/gpu_run.sh runs there (build with CUDA, tests, benchmarks).
@@ -23,7 +23,8 @@ rm -rf "$tmp"
 # llama-cpp-python: Python bindings only (our package provides the library)
 CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolation "$SDIST" -w .gpu/wheels
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0 \
-    starlette==1.10.0 uvicorn==0.54.0   # the server's; its other needs (anyio, h11, click) are in the GPU image
+    starlette==1.10.0 uvicorn==0.54.0 \
+    py-spy==0.4.3   # the server's (its other needs, anyio, h11, click, are in the GPU image); the host profiler
 "$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
 # the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
 if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
