@@ -423,3 +423,34 @@ def test_generation_refreshing_one_group_of_layers_at_a_time():
             SFIConfig(refresh_layer_groups=0)
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("device_selector", [True, False], ids=["device", "host"])
+def test_refresh_cycles_reuse_the_slow_and_the_fast_graph(device_selector):
+    """Slow and fast steps alternate without rebuilding each other's graph: the fast steps compute on a
+    scheduler of their own, so llama.cpp reuses both graphs (no rebuild, no allocation, a GPU's CUDA graphs
+    replayed). A refresh rebuilds nothing with the device Selector, which gathers the selection in the slow
+    step; a host selection is gathered by the first fast step after it, whose graph differs (two rebuilds)."""
+    import llama_cpp
+
+    from sfi_gguf import SFILlama
+    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.tools.random_model import random_model
+
+    llm = SFILlama(str(random_model("tiny-llama")), n_ctx=2048, n_threads=1)
+    try:
+        prompt = [int(t) for t in np.random.default_rng(3).integers(3, 200, 1100)]
+        config = SFIConfig(k_head=128, n_recent=64, policy="fixed", fixed_period=8, n_candidates=512,
+                           device_selector=device_selector)
+        llm.generate(prompt[:-64], max_tokens=1, sfi=config)  # the graphs' first builds
+        ctx = llm.context.ctx
+        before = llama_cpp.llama_perf_context(ctx).n_reused
+        out = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True, sfi=config)
+        reused = llama_cpp.llama_perf_context(ctx).n_reused - before
+        s = out.stats.sfi
+        assert s.n_slow >= 7 and s.n_fast >= 48 and s.n_device_selections == (s.n_slow + 1 if device_selector else 0)
+        steps = s.n_slow + s.n_fast  # the prompt's chunks build theirs (the cache holds most of it)
+        rebuilds_per_refresh = 0 if device_selector else 2
+        assert reused >= steps - rebuilds_per_refresh * s.n_slow - 4, (reused, steps)
+    finally:
+        llm.close()

@@ -4,6 +4,7 @@
 // slow steps
 
 #include "llama-sfi.h"
+#include "llama-sfi-graphs.h"
 
 #include "ggml-backend.h"
 
@@ -56,6 +57,8 @@ struct llama_sfi_context {
     uint32_t status = 0; // LLAMA_SFI_STATUS_LAST_FAST / FELL_BACK_DENSE of the last decode
 
     std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
+
+    llama_sfi_fast_graphs fast_graphs; // the scheduler and graphs of the FAST steps
 
     // the streams of the batch take the step of the mode (or run dense, see llama-sfi.h)
     void decode_begin(const llama_batch & batch);

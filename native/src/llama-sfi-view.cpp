@@ -474,7 +474,9 @@ std::pair<llama_pos, llama_pos> llama_sfi_selector_range(const llama_sfi_view & 
 
 std::vector<uint8_t> llama_sfi_cells_holding(const llama_kv_cells & cells, llama_seq_id seq, llama_pos p0, llama_pos p1) {
     std::vector<uint8_t> res(cells.size(), 0);
-    for (uint32_t c = 0; c < cells.used_max_p1(); ++c) {
+
+    const uint32_t n = cells.used_max_p1();
+    for (uint32_t c = 0; c < n; ++c) {
         res[c] = !cells.is_empty(c) && cells.seq_has(c, seq) && cells.pos_in(c, p0, p1);
     }
 
@@ -482,15 +484,21 @@ std::vector<uint8_t> llama_sfi_cells_holding(const llama_kv_cells & cells, llama
 }
 
 std::vector<int32_t> llama_sfi_cells_outside(const llama_kv_cells & cells, llama_seq_id seq, std::pair<llama_pos, llama_pos> range) {
+    // seq's (position, cell) pairs in position order: the few cells below and past the range, without a pass
+    // over every cell
+    const auto & by_pos = cells.seq_pos_get(seq);
+
     std::vector<int32_t> res;
-    for (const bool sink : { true, false }) {
-        for (uint32_t c = 0; c < cells.used_max_p1(); ++c) {
-            if (!cells.is_empty(c) && cells.seq_has(c, seq) && !cells.pos_in(c, range.first, range.second) &&
-                (cells.pos_get(c) < range.first) == sink) {
-                res.push_back(c);
-            }
-        }
+    for (auto it = by_pos.begin(); it != by_pos.end() && it->first < range.first; ++it) {
+        res.push_back(it->second);
     }
+    std::sort(res.begin(), res.end());
+
+    const size_t n_sink = res.size();
+    for (auto it = by_pos.lower_bound({ std::max(range.first, range.second), 0 }); it != by_pos.end(); ++it) {
+        res.push_back(it->second);
+    }
+    std::sort(res.begin() + n_sink, res.end());
 
     return res;
 }
