@@ -123,6 +123,7 @@ _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_
 _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
 _set_refresh_layers = _bind("llama_sfi_set_refresh_layers", [_ctx_p, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 _seq_get_selection = _bind("llama_sfi_seq_get_selection", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _i32p)
+_seq_selection_size = _bind("llama_sfi_seq_selection_size", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
 _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
 _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
 _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
@@ -313,6 +314,10 @@ class SFINative:
         ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
         return out
 
+    def selection_size(self, seq: int = 0) -> int:
+        """k_head of the selection `selection()` would return, without reading it (0: none)."""
+        return int(_seq_selection_size(self.ctx, seq))
+
     def n_query_rows(self, seq: int = 0) -> int:
         return _check("llama_sfi_seq_get_n_query_rows", _seq_get_n_query_rows(self.ctx, seq))
 
@@ -322,6 +327,25 @@ class SFINative:
         out = np.empty(n, dtype=np.int32)
         _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, out.ctypes.data_as(_i32p), n))
         return out
+
+
+class DeviceSelection:
+    """The device Selector's selection of a slow step, [n_layers, n_head_kv, k_head] cells, read from the native
+    side only when its cells are needed (`np.asarray`), so that the host's part of a refresh overlaps the next
+    fast step. It can be read until the sequence's next slow step."""
+
+    def __init__(self, native, k_head: int):
+        self._native = native
+        self.shape = (native.n_layers, native.n_head_kv, k_head)
+        self._cells: np.ndarray | None = None
+
+    def __array__(self, dtype=None, copy=None):
+        if self._cells is None:
+            cells = self._native.selection()
+            if cells is None or cells.shape != self.shape:
+                raise SFIError("llama_sfi_seq_get_selection", ERR_NO_SELECTION)
+            self._cells = cells
+        return self._cells if dtype is None else self._cells.astype(dtype)
 
 
 class SFISequence:
@@ -335,7 +359,7 @@ class SFISequence:
     """
 
     PER_SEQUENCE = frozenset({"status", "set_selection", "load_selection", "selection_overlap", "mass", "evidence",
-                              "key_norms", "candidates", "selection", "n_query_rows", "cell_pos"})
+                              "key_norms", "candidates", "selection", "selection_size", "n_query_rows", "cell_pos"})
     SHARED = frozenset({"params", "n_layers", "n_head_kv", "set_mode"})
 
     def __init__(self, native: SFINative, seq: int):

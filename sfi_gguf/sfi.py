@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import SFIConfig
 from .context import LlamaContext
-from .native import SFINative
+from .native import DeviceSelection, SFINative
 from .policy import MemoryMode, TriggerPolicy, top1_probability
 from .selector import AttentionExport, CandidateRange, Selector
 
@@ -88,7 +88,8 @@ class SFIStepper:
         self.selector = selector
         self.stats = SFIStats(policy=policy.name, selector=selector.name)
         self._sparse = False            # a selection is loaded and FAST is the mode
-        self._selected: np.ndarray | None = None  # last Selector output [L, H, k] (candidate cells)
+        self._selected: np.ndarray | DeviceSelection | None = None  # last Selector output [L, H, k] (cells)
+        self._overlap_pending = False   # the last load's overlap with the one before is still to be read
         self._tail = 0                  # tokens appended by fast steps since the last selection
         self._n_step = 0
         self._n_candidates = None       # what the native side was last told (set_n_candidates)
@@ -214,12 +215,15 @@ class SFIStepper:
 
     def annotate(self, stats) -> None:
         self._drop_pending()
+        self._collect_overlap()
         self.stats.budget = (self.config.n_sink + self.stats.k_head + self.config.n_recent
                              if self.stats.k_head else 0)
         stats.sfi = self.stats
 
     # -- internals --------------------------------------------------------------------------------
     def _set_slow(self, n_context: int) -> None:
+        if isinstance(self._selected, DeviceSelection) and self.config.selection_delay:
+            self._selected = np.asarray(self._selected)  # a background refresh after this step loads it again
         n_candidates = self.config.resolve_n_candidates(n_context)
         if n_candidates != self._n_candidates:
             self.native.set_n_candidates(n_candidates)
@@ -268,10 +272,10 @@ class SFIStepper:
         """
         t0 = time.perf_counter()
         n_context = len(self.ctx.tokens)
-        selected = self.native.selection()  # None unless the slow step ran the Selector in its graph
-        if selected is not None:  # nothing to score here: the native side loads it with its sink and recent cells
+        k_device = self.native.selection_size()  # 0 unless the slow step ran the Selector in its graph
+        if k_device:  # nothing to score here: the native side loads it with its sink and recent cells
             self.policy.note_refresh()
-            self._use_selection(selected, load=self.native.load_selection)
+            self._use_selection(DeviceSelection(self.native, k_device), load=self.native.load_selection)
             self.stats.n_device_selections += 1
             self.stats.t_selector += time.perf_counter() - t0
             return
@@ -316,10 +320,16 @@ class SFIStepper:
         self._selected = selected
         self.stats.k_head = max(self.stats.k_head, selected.shape[-1])
         self._load_memory(selected, positions, candidates=candidates, load=load)
-        # support stability, counted by the native side while it checks the selection
-        overlap = self.native.selection_overlap() if had_previous else None
-        if overlap is not None:
-            self.stats.refresh_overlap.append(overlap)
+        # support stability, counted by the native side with the selection's rows; read before the next load (the
+        # rows of a selection the slow step gathered are written while the next fast step computes)
+        self._overlap_pending = had_previous
+
+    def _collect_overlap(self) -> None:
+        if self._overlap_pending:
+            self._overlap_pending = False
+            overlap = self.native.selection_overlap()
+            if overlap is not None:
+                self.stats.refresh_overlap.append(overlap)
 
     def _load_pending(self) -> None:
         """Load the background Selector's result (waiting for it) unless the view was dropped since."""
@@ -355,6 +365,7 @@ class SFIStepper:
                      candidates: CandidateRange | None = None, load=None) -> None:
         """The memory of the next fast steps: `selected`, the sink, and every cell from the candidates' stop
         on (the recent window; by default the context's last n_recent)."""
+        self._collect_overlap()
         n_context = len(self.ctx.tokens)
         if candidates is None:
             candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))

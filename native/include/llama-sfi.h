@@ -136,7 +136,8 @@ extern "C" {
     // would, with the cells outside the device Selector's range (the sink and the recent window, that step's token
     // included) shared by every row, without checking its cells again (the step did); call it before seq's next
     // decode. When that step already gathered the selection into the view, the next FAST step does not gather it
-    // again. Returns 0, or
+    // again, and the host's part of the refresh (the selection's rows for later checks and loads, the overlap)
+    // runs at the first read of them or once that FAST step's graph was launched, while it computes. Returns 0, or
     //   LLAMA_SFI_ERR_NOT_INIT
     //   LLAMA_SFI_ERR_BAD_ARG:      seq outside [0, n_seq_max)
     //   LLAMA_SFI_ERR_NO_SELECTION: seq's last decode was no SLOW step with a selection, or its cells changed since
@@ -229,10 +230,15 @@ extern "C" {
     LLAMA_API int32_t llama_sfi_set_refresh_layers(struct llama_context * ctx, int32_t n_groups, int32_t group);
 
     // The selection of seq's last SLOW step, [n_layers][n_head_kv][n_sel] cell ids (n_sel = k_head), each row in
-    // no particular order. NULL (and the outputs 0) when that step ran no device Selector or had no selection, for
-    // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
+    // no particular order; it holds until seq's next SLOW step or an edit of its cells. NULL (and the outputs 0)
+    // when that step ran no device Selector or had no selection, for a NULL ctx, no SFI state, or seq outside
+    // [0, n_seq_max). The step copies the device's picks; they become cell ids at the first call of this (or
+    // after the next FAST step was launched, see llama_sfi_seq_load_selection).
     LLAMA_API const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_seq_id seq,
             int32_t * n_layers, int32_t * n_head_kv, int32_t * n_sel);
+
+    // n_sel of that selection without reading it (0: none), as llama_sfi_seq_get_selection would return it
+    LLAMA_API int32_t llama_sfi_seq_selection_size(const struct llama_context * ctx, llama_seq_id seq);
 
     // Number of query rows summed in seq's last export: min(n_query_rows, the sequence's tokens in its last
     // ubatch); 0 when there is no export (also for seq outside [0, n_seq_max)). LLAMA_SFI_ERR_NOT_INIT without

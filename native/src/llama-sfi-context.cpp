@@ -6,6 +6,7 @@
 
 #include "llama-batch.h"
 #include "llama-hparams.h"
+#include "llama-impl.h"
 #include "llama-kv-cache.h"
 #include "llama-model.h"
 
@@ -63,9 +64,11 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
         view->step = LLAMA_SFI_STEP_SLOW;
     }
 
-    // the tokens of a dense step do not go to the tail: the views of its streams are stale
+    // the tokens of a dense step do not go to the tail: the views of its streams are stale (their selections'
+    // rows stay, for the layers a refresh of one group keeps)
     for (size_t s = 0; s < n_tokens.size(); ++s) {
         if (n_tokens[s] > 0) {
+            resolve(s);
             view->streams[s].invalidate();
         }
     }
@@ -74,6 +77,11 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
 void llama_sfi_context::decode_end() {
     if (view->step == LLAMA_SFI_STEP_FAST) {
         status |= LLAMA_SFI_STATUS_LAST_FAST;
+
+        // the host's part of the refreshes before this step, while its graph computes
+        for (uint32_t s = 0; s < view->streams.size(); ++s) {
+            resolve(s);
+        }
     }
 
     view->step = LLAMA_SFI_STEP_DENSE;
@@ -112,6 +120,12 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
 
     const uint32_t n_tps = ubatch.n_tokens/ns;
+
+    for (int64_t j = 0; j < ns; ++j) {
+        const uint32_t st = view->stream_of(ubatch.seq_id[j*n_tps][0]);
+        resolve(st);
+        exports[st] = llama_sfi_export();
+    }
 
     // slow steps are rare: wait for the graph, then copy synchronously, one copy per layer and kind
     ggml_backend_sched_synchronize(sched);
@@ -158,7 +172,8 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     }
 }
 
-// the device Selector's picks -> cell ids, per stream: [n_layers][n_head_kv_max][k_head]
+// the device Selector's picks, per stream: [n_layers][n_head_kv_max][k_head] indices into each layer's candidates,
+// mapped to cell ids later (map_selection)
 void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
     const size_t n_layers  = view->layers.size();
     const size_t n_head_kv = view->n_head_kv_max;
@@ -186,13 +201,18 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     std::vector<int32_t> cells;
 
     std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
+    bool any_kept = false;
 
     for (int64_t j = 0; j < ns; ++j) {
-        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+        const uint32_t s = view->stream_of(ubatch.seq_id[j*n_tps][0]);
+
+        resolve(s); // the rows of the stream's selection: the layers not refreshed keep theirs
+
+        auto & ex = exports[s];
 
         ex = llama_sfi_export();
-        ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
-        ex.cells.assign(n_layers*n_cand, -1); // -1: a layer not refreshed
+        ex.picks.assign(n_layers*n_head_kv*n_sel, -1); // -1: a layer not refreshed
+        ex.cells.assign(n_layers*n_cand, -1);
     }
 
     // t_sfi_sel[i] and t_sfi_cells[i]: the outputs of layer i's run of layers, layer-major (pair b = l*ns + j,
@@ -205,7 +225,8 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         const ggml_tensor * tc = res.cells[i];
 
         if (!tp) {
-            // not refreshed: the own cells of the selection the view holds
+            any_kept = true;
+            // not refreshed: the own cells of the selection the view holds, as cell ids
             for (int64_t j = 0; j < ns; ++j) {
                 const auto & st = view->streams[view->stream_of(ubatch.seq_id[j*n_tps][0])];
                 auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
@@ -213,6 +234,9 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
                 if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
                     kept[j] = false;
                     continue;
+                }
+                if (ex.selection.empty()) {
+                    ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
                 }
                 for (size_t h = 0; h < n_head_kv; ++h) {
                     std::copy_n(st.sel.begin() + (i*n_head_kv + h)*st.n_sel, n_sel, ex.selection.begin() + (i*n_head_kv + h)*n_sel);
@@ -244,12 +268,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             for (size_t h = 0; h < n_head_kv; ++h) {
                 // a layer with fewer KV heads repeats its first head's cells (never read)
                 const int32_t * src = picks.data() + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
-                int32_t       * dst = ex.selection.data() + (i*n_head_kv + h)*n_sel;
-
-                for (int64_t c = 0; c < n_sel; ++c) {
-                    GGML_ASSERT(src[c] >= 0 && src[c] < n_cand);
-                    dst[c] = cells[b*n_cand + src[c]];
-                }
+                std::copy_n(src, n_sel, ex.picks.begin() + (i*n_head_kv + h)*n_sel);
             }
         }
         ++l;
@@ -257,29 +276,143 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     for (int64_t j = 0; j < ns; ++j) {
         const llama_seq_id seq = ubatch.seq_id[j*n_tps][0];
+        const uint32_t     s   = view->stream_of(seq);
 
-        auto & ex = exports[view->stream_of(seq)];
+        auto & ex = exports[s];
+        auto & st = view->streams[s];
 
-        // fewer cells in the range than k_head: some picks lie outside it, no selection
-        const auto range    = llama_sfi_selector_range(*view, seq);
-        const auto in_range = llama_sfi_cells_holding(view->kv.get_cells(seq), seq, range.first, range.second);
-
-        bool ok = kept[j];
-        for (const int32_t c : ex.selection) {
-            ok &= in_range[c] != 0;
+        if (ex.selection.empty()) {
+            ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
         }
 
-        ex.shared = ok ? llama_sfi_cells_outside(view->kv.get_cells(seq), seq, range) : std::vector<int32_t>();
-        ex.n_edits  = view->streams[view->stream_of(seq)].n_edits;
-        // the graph gathered the first n_sink + n_recent of them (more when a position is held by several cells)
-        ex.gathered = ok && res.gathered && ex.shared.size() <= (size_t) view->selector.n_sink + view->selector.n_recent;
+        ex.seq      = seq;
+        ex.range    = llama_sfi_selector_range(*view, seq);
+        ex.n_cells  = ex.cells.size()/n_layers;
+        ex.n_sel    = kept[j] ? n_sel : 0;
+        ex.n_rows   = std::min<int32_t>(params.n_query_rows, n_tps);
+        ex.n_edits  = st.n_edits;
+        ex.mapped   = false;
+        ex.valid    = true;
 
-        ex.n_cells = ex.cells.size()/n_layers;
-        ex.n_sel   = ok ? n_sel : 0;
-        ex.n_rows  = std::min<int32_t>(params.n_query_rows, n_tps);
-        ex.valid   = true;
-        if (!ok) {
-            ex.selection.clear();
+        // every candidate lies in the Selector's range when the range holds n_cand cells (the others score -inf
+        // when the candidates are taken); otherwise check the picks now
+        if (!kept[j] || any_kept || st.n_in_range < n_cand) {
+            map_selection(s);
+        }
+
+        if (ex.n_sel > 0) {
+            ex.shared   = llama_sfi_cells_outside(view->kv.get_cells(seq), seq, ex.range);
+            // the graph gathered the first n_sink + n_recent of them (more when a position is held by several cells)
+            ex.gathered = res.gathered && !any_kept && ex.shared.size() <= (size_t) view->selector.n_sink + view->selector.n_recent;
         }
     }
+}
+
+void llama_sfi_context::map_selection(uint32_t s) {
+    auto & ex = exports[s];
+    if (ex.mapped) {
+        return;
+    }
+    ex.mapped = true;
+
+    const size_t  n_layers  = view->layers.size();
+    const size_t  n_head_kv = view->n_head_kv_max;
+    const int64_t n_sel     = ex.n_sel;
+    const int64_t n_cand    = ex.n_cells;
+
+    if (n_sel == 0) {
+        ex.selection.clear();
+        ex.picks.clear();
+        return;
+    }
+
+    for (size_t i = 0; i < n_layers; ++i) {
+        const int32_t * cells = ex.cells.data() + i*n_cand;
+        for (size_t h = 0; h < n_head_kv; ++h) {
+            const int32_t * src = ex.picks.data()     + (i*n_head_kv + h)*n_sel;
+            int32_t       * dst = ex.selection.data() + (i*n_head_kv + h)*n_sel;
+            if (src[0] < 0) {
+                continue; // a layer not refreshed: its cells are there
+            }
+            for (int64_t c = 0; c < n_sel; ++c) {
+                GGML_ASSERT(src[c] >= 0 && src[c] < n_cand);
+                dst[c] = cells[src[c]];
+            }
+        }
+    }
+    ex.picks.clear();
+
+    // fewer cells in the range than k_head: some picks lie outside it, no selection
+    const auto & kv_cells = view->kv.get_cells(ex.seq);
+    const auto   in_range = llama_sfi_cells_holding(kv_cells, ex.seq, ex.range.first, ex.range.second);
+
+    bool ok = ex.n_edits == view->streams[s].n_edits;
+    for (const int32_t c : ex.selection) {
+        ok = ok && in_range[c] != 0;
+    }
+
+    if (!ok) {
+        ex.selection.clear();
+        ex.shared.clear();
+        ex.n_sel    = 0;
+        ex.gathered = false;
+    }
+}
+
+int32_t llama_sfi_context::load_selection(uint32_t s) {
+    auto & st = view->streams[s];
+    auto & ex = exports[s];
+
+    if (!ex.valid || ex.n_sel == 0 || ex.n_edits != st.n_edits) {
+        return LLAMA_SFI_ERR_NO_SELECTION;
+    }
+
+    if ((int64_t) ex.n_sel + (int64_t) ex.shared.size() > params.n_sel_max) {
+        return LLAMA_SFI_ERR_COUNT;
+    }
+
+    resolve(s);
+
+    if (!ex.gathered) {
+        map_selection(s);
+        if (ex.n_sel == 0) {
+            return LLAMA_SFI_ERR_NO_SELECTION;
+        }
+        view->store_selection(st, ex.selection.data(), ex.n_sel, ex.shared.data(), ex.shared.size());
+        return 0;
+    }
+
+    // the view holds it: commit it, its rows follow (resolve)
+    st.prev_n_sel     = st.n_sel;
+    st.prev_n_own     = st.n_own;
+    st.n_sel          = ex.n_sel + ex.shared.size();
+    st.n_own          = ex.n_sel;
+    st.valid          = true;
+    st.gather_pending = false;
+    st.sel_pending    = true;
+    st.tail.clear();
+
+    return 0;
+}
+
+void llama_sfi_context::resolve(uint32_t s) {
+    auto & st = view->streams[s];
+    if (!st.sel_pending) {
+        return;
+    }
+    st.sel_pending = false;
+
+    map_selection(s);
+
+    const auto & ex = exports[s];
+    if (ex.n_sel != st.n_own || ex.n_edits != st.n_edits) {
+        // its picks were not all in the Selector's range (see map_selection): the view holds other cells
+        LLAMA_LOG_WARN("%s: the selection of stream %u did not hold; its view is dropped\n", __func__, s);
+        st.invalidate();
+        st.n_sel = st.n_own = 0;
+        st.sel.clear();
+        return;
+    }
+
+    view->store_rows(st, ex.selection.data(), ex.n_sel, ex.shared.data(), ex.shared.size(), st.prev_n_sel, st.prev_n_own);
 }

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 class llama_kv_cache;
@@ -35,6 +36,15 @@ struct llama_sfi_export {
     std::vector<int32_t> selection; // [n_layers][n_head_kv_max][n_sel]: the device Selector's cells, if it ran
     std::vector<int32_t> shared;    // with a selection: the cells outside the Selector's range (sink, recent)
     bool gathered = false;          // ... and the step gathered them into the view
+
+    // the device Selector's picks as the step left them, [n_layers][n_head_kv_max][n_sel] indices into the layer's
+    // candidates (cells); selection holds their cells once mapped (llama_sfi_context::map_selection): a refresh's
+    // host work then runs while the next step computes, or when something reads the selection
+    std::vector<int32_t> picks;
+    bool mapped = true;
+
+    llama_seq_id seq = -1;                      // the sequence of the stream at the step ...
+    std::pair<llama_pos, llama_pos> range;      // ... and the positions its Selector chose from
 
     uint32_t n_edits = 0; // the stream's n_edits at the step: the cells above hold while it is unchanged
 };
@@ -66,6 +76,16 @@ struct llama_sfi_context {
 
     // copy the exports of a computed ubatch graph
     void extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
+
+    // the last SLOW step's selection of stream s -> the view (llama_sfi_seq_load_selection); returns 0 or an error.
+    // A selection the step gathered into the view is committed at once, its rows (stream::sel, the overlap) later.
+    int32_t load_selection(uint32_t s);
+
+    // the picks of stream s's export -> its selection's cells
+    void map_selection(uint32_t s);
+
+    // the rows of a selection loaded without them (stream::sel_pending) -> stream s
+    void resolve(uint32_t s);
 
     // nodes the SFI ops add to a graph at most
     uint32_t n_graph_nodes() const;

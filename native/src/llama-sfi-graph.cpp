@@ -166,14 +166,20 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
 
             const auto & cells = view.kv.get_cells(seq);
 
+            const int64_t n_cells = std::min<int64_t>(n_kv, cells.size());
+
+            int64_t n_in_range = 0;
             for (int64_t c = 0; c < n_kv; ++c) {
-                const llama_pos p = (uint32_t) c < cells.size() && !cells.is_empty(c) && cells.seq_has(c, seq) ? cells.pos_get(c) : -1;
+                const llama_pos p = c < n_cells && !cells.is_empty(c) && cells.seq_has(c, seq) ? cells.pos_get(c) : -1;
 
                 const bool in_range = p >= range.first && p < range.second;
 
                 mask[j*n_kv + c] = in_range ? 0.0f : -INFINITY;
                 u   [j*n_kv + c] = in_range ? (p - range.first)*scale : 0.0f;
+
+                n_in_range += in_range;
             }
+            view.streams[view.stream_of(seq)].n_in_range = n_in_range;
 
             if (inp.shared && inp.shared->buffer) {
                 const int64_t n_shared = inp.shared->ne[0];

@@ -200,6 +200,13 @@ void llama_sfi_view::stream::invalidate() {
     valid           = false;
     gather_pending  = false;
     tail.clear();
+
+    if (sel_pending) {
+        // the rows in sel are not this selection's
+        sel_pending = false;
+        n_sel = n_own = 0;
+        sel.clear();
+    }
 }
 
 void llama_sfi_view::invalidate_seq(llama_seq_id seq) {
@@ -501,4 +508,67 @@ std::vector<int32_t> llama_sfi_cells_outside(const llama_kv_cells & cells, llama
     std::sort(res.begin() + n_sink, res.end());
 
     return res;
+}
+
+void llama_sfi_view::store_rows(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
+        int32_t prev_n_sel, int32_t prev_n_own) {
+    const int32_t n_layers  = layers.size();
+    const int32_t n_head_kv = n_head_kv_max;
+    const int64_t n_sel     = (int64_t) n_own + n_shared;
+
+    auto cell = [&](int64_t r, int64_t j) {
+        return j < n_own ? cells[r*n_own + j] : shared[j - n_own];
+    };
+
+    // support stability: own cells of each row the previous selection's row had
+    st.overlap = -1.0f;
+    if (prev_n_own > 0 && n_own > 0 && st.sel.size() == (size_t) n_layers*n_head_kv*prev_n_sel) {
+        // stamp[c] == id of the last (layer, head) whose previous selection had cell c
+        std::vector<int32_t> stamp(kv.get_size(), -1);
+
+        int64_t n_hit = 0;
+        int64_t n_all = 0;
+        for (int32_t i = 0; i < n_layers; ++i) {
+            for (int32_t h = 0; h < layers[i].n_head_kv; ++h) {
+                const int32_t id = i*n_head_kv + h;
+
+                const int32_t * prev = st.sel.data() + (int64_t) id*prev_n_sel;
+                for (int32_t j = 0; j < prev_n_own; ++j) {
+                    stamp[prev[j]] = id;
+                }
+                for (int32_t j = 0; j < n_own; ++j) {
+                    n_hit += stamp[cells[(int64_t) id*n_own + j]] == id;
+                }
+                n_all += n_own;
+            }
+        }
+
+        st.overlap = (float) ((double) n_hit/n_all);
+    }
+
+    st.sel.resize((size_t) n_layers*n_head_kv*n_sel);
+
+    for (int32_t i = 0; i < n_layers; ++i) {
+        for (int32_t h = 0; h < n_head_kv; ++h) {
+            // heads a layer does not have: gather the cells of its first head, never read
+            const int64_t src = (int64_t) i*n_head_kv + (h < layers[i].n_head_kv ? h : 0);
+
+            int32_t * dst = st.sel.data() + ((size_t) i*n_head_kv + h)*n_sel;
+            for (int64_t j = 0; j < n_sel; ++j) {
+                dst[j] = cell(src, j);
+            }
+        }
+    }
+}
+
+void llama_sfi_view::store_selection(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
+        bool gathered) {
+    store_rows(st, cells, n_own, shared, n_shared, st.n_sel, st.n_own);
+
+    st.n_sel          = n_own + n_shared;
+    st.n_own          = n_own;
+    st.valid          = true;
+    st.gather_pending = !gathered;
+    st.sel_pending    = false;
+    st.tail.clear();
 }

@@ -58,6 +58,15 @@ struct llama_sfi_view {
         std::vector<int32_t>  sel;  // [n_layers][n_head_kv_max][n_sel] cell ids
         std::vector<uint32_t> tail; // cells written by FAST steps since the selection
 
+        // a selection committed without its rows (the SLOW step gathered it into the view): sel and overlap are
+        // written later (llama_sfi_context::resolve), sel still holds the rows of the selection before it, of
+        // prev_n_sel cells with prev_n_own own ones
+        bool    sel_pending = false;
+        int32_t prev_n_sel  = 0;
+        int32_t prev_n_own  = 0;
+
+        int64_t n_in_range = 0; // SLOW with the device Selector: cells in the Selector's range (set with the inputs)
+
         // the key norms in layer::kn hold for the cells below kn_upto, except kn_stale (written since): a SLOW
         // step that exports key norms takes the others' (llama_sfi_plan::kn_cells) when its inputs are set
         uint32_t              kn_upto = 0;
@@ -124,6 +133,15 @@ struct llama_sfi_view {
     llama_sfi_step step = LLAMA_SFI_STEP_DENSE;
 
     void invalidate_seq(llama_seq_id seq); // the stream of seq (every stream for seq < 0)
+
+    // a checked selection -> stream st: rows (layer, head) of n_own own cells each, then the n_shared shared ones;
+    // the next FAST step gathers it into the view unless the SLOW step did (gathered)
+    void store_selection(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
+            bool gathered = false);
+
+    // ... its rows only (stream::sel), and their overlap with the rows sel held (prev_n_sel cells, prev_n_own own)
+    void store_rows(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
+            int32_t prev_n_sel, int32_t prev_n_own);
 
     uint32_t stream_of(llama_seq_id seq) const;
 

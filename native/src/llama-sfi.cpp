@@ -12,7 +12,7 @@
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 9
+#define LLAMA_SFI_API_VERSION 10
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -144,64 +144,6 @@ int32_t llama_sfi_set_mode(struct llama_context * ctx, enum llama_sfi_mode mode)
     return 0;
 }
 
-// the checked selection -> the stream's state; the next FAST step gathers it unless a SLOW step did (gathered)
-static void llama_sfi_store_selection(llama_sfi_view & view, llama_sfi_view::stream & st,
-        const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared, bool gathered = false) {
-    const int32_t n_layers  = view.layers.size();
-    const int32_t n_head_kv = view.n_head_kv_max;
-    const int64_t n_sel     = (int64_t) n_own + n_shared;
-
-    auto cell = [&](int64_t r, int64_t j) {
-        return j < n_own ? cells[r*n_own + j] : shared[j - n_own];
-    };
-
-    // support stability: own cells of each row the previous selection's row had
-    st.overlap = -1.0f;
-    if (st.n_own > 0 && n_own > 0) {
-        // stamp[c] == id of the last (layer, head) whose previous selection had cell c
-        std::vector<int32_t> stamp(view.kv.get_size(), -1);
-
-        int64_t n_hit = 0;
-        int64_t n_all = 0;
-        for (int32_t i = 0; i < n_layers; ++i) {
-            for (int32_t h = 0; h < view.layers[i].n_head_kv; ++h) {
-                const int32_t id = i*n_head_kv + h;
-
-                const int32_t * prev = st.sel.data() + (int64_t) id*st.n_sel;
-                for (int32_t j = 0; j < st.n_own; ++j) {
-                    stamp[prev[j]] = id;
-                }
-                for (int32_t j = 0; j < n_own; ++j) {
-                    n_hit += stamp[cells[(int64_t) id*n_own + j]] == id;
-                }
-                n_all += n_own;
-            }
-        }
-
-        st.overlap = (float) ((double) n_hit/n_all);
-    }
-
-    st.sel.resize((size_t) n_layers*n_head_kv*n_sel);
-
-    for (int32_t i = 0; i < n_layers; ++i) {
-        for (int32_t h = 0; h < n_head_kv; ++h) {
-            // heads a layer does not have: gather the cells of its first head, never read
-            const int64_t src = (int64_t) i*n_head_kv + (h < view.layers[i].n_head_kv ? h : 0);
-
-            int32_t * dst = st.sel.data() + ((size_t) i*n_head_kv + h)*n_sel;
-            for (int64_t j = 0; j < n_sel; ++j) {
-                dst[j] = cell(src, j);
-            }
-        }
-    }
-
-    st.n_sel           = n_sel;
-    st.n_own           = n_own;
-    st.valid           = true;
-    st.gather_pending  = !gathered;
-    st.tail.clear();
-}
-
 int32_t llama_sfi_set_selection(
         struct llama_context * ctx,
                 llama_seq_id   seq,
@@ -276,7 +218,8 @@ int32_t llama_sfi_set_selection_shared(
         }
     }
 
-    llama_sfi_store_selection(view, st, cells, n_own, shared, n_shared);
+    sfi->resolve(view.stream_of(seq)); // the rows of a selection before this one, for the overlap
+    view.store_selection(st, cells, n_own, shared, n_shared);
 
     return 0;
 }
@@ -286,28 +229,13 @@ int32_t llama_sfi_seq_load_selection(struct llama_context * ctx, llama_seq_id se
         return LLAMA_SFI_ERR_NOT_INIT;
     }
 
-    auto * sfi  = ctx->get_sfi();
-    auto & view = *sfi->view;
-
     if (seq < 0 || (uint32_t) seq >= ctx->get_cparams().n_seq_max) {
         return LLAMA_SFI_ERR_BAD_ARG;
     }
 
-    auto & st = view.streams[view.stream_of(seq)];
+    auto * sfi = ctx->get_sfi();
 
-    const auto & ex = sfi->exports[view.stream_of(seq)];
-
-    if (!ex.valid || ex.selection.empty() || ex.n_edits != st.n_edits) {
-        return LLAMA_SFI_ERR_NO_SELECTION;
-    }
-
-    if ((int64_t) ex.n_sel + (int64_t) ex.shared.size() > sfi->params.n_sel_max) {
-        return LLAMA_SFI_ERR_COUNT;
-    }
-
-    llama_sfi_store_selection(view, st, ex.selection.data(), ex.n_sel, ex.shared.data(), ex.shared.size(), ex.gathered);
-
-    return 0;
+    return sfi->load_selection(sfi->view->stream_of(seq));
 }
 
 float llama_sfi_seq_selection_overlap(const struct llama_context * ctx, llama_seq_id seq) {
@@ -315,9 +243,11 @@ float llama_sfi_seq_selection_overlap(const struct llama_context * ctx, llama_se
         return -1.0f;
     }
 
-    const auto & view = *ctx->get_sfi()->view;
+    // written with the selection's rows (a const call that may write them: they are a cache of the selection)
+    auto * sfi = ctx->get_sfi();
+    sfi->resolve(sfi->view->stream_of(seq));
 
-    return view.streams[view.stream_of(seq)].overlap;
+    return sfi->view->streams[sfi->view->stream_of(seq)].overlap;
 }
 
 // the export of seq's last SLOW decode, nullptr when there is none
@@ -474,17 +404,39 @@ const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_se
     if (n_head_kv) { *n_head_kv = 0; }
     if (n_sel)     { *n_sel     = 0; }
 
-    const auto * ex = llama_sfi_seq_export(ctx, seq);
-
-    if (!ex || ex->selection.empty()) {
+    if (llama_sfi_seq_selection_size(ctx, seq) <= 0) {
         return nullptr;
     }
 
-    if (n_layers)  { *n_layers  = ctx->get_sfi()->view->layers.size(); }
-    if (n_head_kv) { *n_head_kv = ctx->get_sfi()->view->n_head_kv_max; }
-    if (n_sel)     { *n_sel     = ex->n_sel; }
+    auto * sfi = ctx->get_sfi();
+    const uint32_t s = sfi->view->stream_of(seq);
 
-    return ex->selection.data();
+    sfi->map_selection(s);
+
+    const auto & ex = sfi->exports[s];
+    if (ex.selection.empty()) {
+        return nullptr;
+    }
+
+    if (n_layers)  { *n_layers  = sfi->view->layers.size(); }
+    if (n_head_kv) { *n_head_kv = sfi->view->n_head_kv_max; }
+    if (n_sel)     { *n_sel     = ex.n_sel; }
+
+    return ex.selection.data();
+}
+
+int32_t llama_sfi_seq_selection_size(const struct llama_context * ctx, llama_seq_id seq) {
+    if (!ctx || !ctx->get_sfi() || seq < 0 || (uint32_t) seq >= ctx->get_cparams().n_seq_max) {
+        return 0;
+    }
+
+    const auto * sfi = ctx->get_sfi();
+    const uint32_t s = sfi->view->stream_of(seq);
+
+    // the step's selection holds until the sequence's next SLOW step or an edit of its cells
+    const auto & ex = sfi->exports[s];
+
+    return ex.n_sel > 0 && ex.n_edits == sfi->view->streams[s].n_edits ? ex.n_sel : 0;
 }
 
 int32_t llama_sfi_seq_get_n_query_rows(const struct llama_context * ctx, llama_seq_id seq) {
