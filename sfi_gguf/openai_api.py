@@ -256,7 +256,8 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     if top_logprobs is not None and (not isinstance(top_logprobs, int) or isinstance(top_logprobs, bool)
                                      or not 0 <= top_logprobs <= 20):
         raise ValueError(f"top_logprobs must be an integer in [0, 20], got {top_logprobs!r}")
-    request = tool_calls.tool_request(tools, tool_choice, functions, function_call, parallel_tool_calls)
+    request = tool_calls.tool_request(tools, tool_choice, functions, function_call, parallel_tool_calls,
+                                      template=llm.context.chat_template())
     constraint = [(name, g) for name, g in (("grammar", grammar_text(grammar)),
                                             ("response_format", response_format_grammar(response_format)),
                                             (f"tool_choice {request.choice!r}",
@@ -269,6 +270,8 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
                          presence_penalty, sfi, constraint[0][1] if constraint else None, typical_p, mirostat_mode,
                          mirostat_tau, mirostat_eta, logit_bias)
+    if request.active:  # the format's markers stay in the text the calls are read from
+        sampling["keep_special"] = _marker_tokens(llm, request.format.markers)
     result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,
                        lambda records: _chat_logprobs(llm, records), _head("cmpl", model, llm))
     if stream:
@@ -282,6 +285,12 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
             "model": result["model"],
             "choices": [{"index": 0, "message": message, "logprobs": choice["logprobs"], "finish_reason": finish}],
             "usage": result["usage"], "sfi_stats": result["sfi_stats"]}
+
+
+def _marker_tokens(llm, markers) -> list[int]:
+    """The tokens that are one of `markers` each (as control tokens, llama.cpp would leave their text out)."""
+    ids = [llm.context.tokenize(m, add_special=False, parse_special=True) for m in markers]
+    return [t[0] for t in ids if len(t) == 1]
 
 
 def _chat_logprobs(llm, records) -> dict:
