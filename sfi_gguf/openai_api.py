@@ -3,6 +3,8 @@
 Same arguments, defaults and return dicts as `llama_cpp.Llama` 0.3.36 (see its `llama_types.py`), so
 code written for llama-cpp-python (or the OpenAI API) runs unchanged. SFI statistics ride along in an
 extra "sfi_stats" key (the last chunk when streaming), which clients that do not know it ignore.
+`suffix` fills in the middle between the prompt and the suffix with the vocabulary's FIM tokens; `echo` puts the
+prompt before the generated text; `logits_processor` and `stopping_criteria` are llama-cpp-python's callables.
 Arguments we do not implement raise `NotImplementedError` instead of being silently ignored.
 
 Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, the legacy `functions` / `function_call`) is in
@@ -21,18 +23,14 @@ from typing import Any, Iterator
 from . import tool_calls
 
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
-_NOT_USED = {
-    "suffix": None, "echo": False, "tfs_z": 1.0, "stopping_criteria": None, "logits_processor": None,
-}
+_NOT_USED = {"tfs_z": 1.0}
 
 
 def _check_supported(args: dict[str, Any]) -> None:
-    used = [k for k, neutral in _NOT_USED.items() if k in args and args[k] not in (None, neutral)
-            and not (isinstance(args[k], (list, dict)) and not args[k])]
+    used = [k for k, neutral in _NOT_USED.items() if k in args and args[k] not in (None, neutral)]
     if used:
-        hint = ("; tfs_z is no longer one of llama.cpp's samplers" if used == ["tfs_z"] else
-                "; sfi_gguf.Llama (llama-cpp-python's Llama decoding with SFI) has them")
-        raise NotImplementedError(f"SFILlama does not support {', '.join(used)}{hint}")
+        raise NotImplementedError(f"SFILlama does not support {', '.join(used)}; tfs_z is no longer one of "
+                                  "llama.cpp's samplers")
 
 
 def grammar_text(grammar) -> str | None:
@@ -103,7 +101,7 @@ def _json_safe(x):
 
 def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
               presence_penalty, sfi, grammar=None, typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0,
-              mirostat_eta=0.1, logit_bias=None) -> dict[str, Any]:
+              mirostat_eta=0.1, logit_bias=None, logits_processor=None, stopping_criteria=None) -> dict[str, Any]:
     out = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
                repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
                presence_penalty=presence_penalty, sfi=sfi)
@@ -113,6 +111,8 @@ def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, freq
     out.update({k: v for k, v in extra.items() if v != neutral[k]})  # (a slot client passes what it is given)
     if grammar is not None:
         out["grammar"] = grammar
+    out.update({k: v for k, v in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria))
+                if v is not None})
     return out
 
 
@@ -129,19 +129,29 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
     """
     _check_supported(locals())
     prompts = _prompt_list(prompt)
+    if echo not in (True, False):
+        raise ValueError(f"echo must be true or false, got {echo!r}")
+    if echo and logprobs is not None:
+        raise NotImplementedError("echo with logprobs (the log-probabilities of the prompt's tokens) is not supported")
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
                          presence_penalty, sfi, grammar_text(grammar), typical_p, mirostat_mode, mirostat_tau,
-                         mirostat_eta, logit_bias)
+                         mirostat_eta, logit_bias, logits_processor, stopping_criteria)
     head = _head("cmpl", model, llm)
+    if suffix is not None:
+        if len(prompts) != 1 or not isinstance(prompts[0], str) or not isinstance(suffix, str):
+            raise ValueError("suffix (fill in the middle) takes one text prompt, the text before the gap, and the "
+                             f"text after it as a string; got prompt {prompt!r}, suffix {suffix!r}")
+        return _completion(llm, prompts[0], _infill_tokens(llm, prompts[0], suffix), max_tokens, stream, logprobs,
+                           sampling, head, echo=echo)
     if len(prompts) == 1:
         return _completion(llm, prompts[0], llm.prompt_tokens(prompts[0]), max_tokens, stream, logprobs, sampling,
-                           head)
+                           head, echo=echo)
     # several prompts (the OpenAI API's list of prompts): one choice each, in order, decoded one after the other
     all_tokens = [llm.prompt_tokens(p) for p in prompts]  # every prompt is checked before the first is decoded
     for i, tokens in enumerate(all_tokens):
         if len(tokens) >= llm.n_ctx:
             raise ValueError(f"prompt {i} has {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
-    runs = (_completion(llm, p, t, max_tokens, stream, logprobs, sampling, head, index=i)
+    runs = (_completion(llm, p, t, max_tokens, stream, logprobs, sampling, head, index=i, echo=echo)
             for i, (p, t) in enumerate(zip(prompts, all_tokens)))
     if stream:
         return _chained(runs)
@@ -171,10 +181,31 @@ def _head(kind: str, model, llm) -> dict:
             "model": model if model is not None else str(llm.model_path)}
 
 
-def _completion(llm, prompt, tokens, max_tokens, stream, logprobs, sampling, head, index=0):
-    text_offset = len(prompt) if isinstance(prompt, str) else len(llm.detokenize(tokens))
+def _infill_tokens(llm, prefix: str, suffix: str) -> list[int]:
+    """Fill in the middle: BOS (if the vocabulary adds one), FIM-prefix, the prefix, FIM-suffix, the suffix, FIM-middle;
+    the order of llama.cpp's infill for models trained prefix-suffix-middle (Qwen2.5-Coder, CodeLlama, StarCoder)."""
+    from ._native import llama_cpp
+
+    vocab = llm.context.vocab
+    pre, suf, mid = (llama_cpp.llama_vocab_fim_pre(vocab), llama_cpp.llama_vocab_fim_suf(vocab),
+                     llama_cpp.llama_vocab_fim_mid(vocab))
+    if min(pre, suf, mid) < 0:
+        raise ValueError(f"suffix (fill in the middle) needs a vocabulary with fill-in-the-middle tokens; "
+                         f"{llm.model_path.name} has none")
+    bos = llama_cpp.llama_vocab_bos(vocab)
+    head = [bos] if bos >= 0 and llama_cpp.llama_vocab_get_add_bos(vocab) else []
+    text = lambda s: llm.context.tokenize(s, add_special=False, parse_special=False) if s else []  # noqa: E731
+    tokens = head + [pre] + text(prefix) + [suf] + text(suffix) + [mid]
+    if len(tokens) >= llm.n_ctx:
+        raise ValueError(f"prompt and suffix have {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
+    return tokens
+
+
+def _completion(llm, prompt, tokens, max_tokens, stream, logprobs, sampling, head, index=0, echo=False):
+    prompt_text = prompt if isinstance(prompt, str) else llm.detokenize(tokens)
     return _complete(llm, tokens, max_tokens, stream, logprobs, sampling,
-                     lambda records: _completion_logprobs(llm, records, text_offset), head, index)
+                     lambda records: _completion_logprobs(llm, records, len(prompt_text)), head, index,
+                     echo_text=prompt_text if echo else "")
 
 
 def _chained(streams) -> Iterator[dict]:
@@ -186,24 +217,27 @@ def _chained(streams) -> Iterator[dict]:
             chunks.close()
 
 
-def _complete(llm, tokens, max_tokens, stream, logprobs, sampling, shape_logprobs, head, index=0):
-    """Generate and shape a text_completion (or its chunks); the chat API converts the result."""
+def _complete(llm, tokens, max_tokens, stream, logprobs, sampling, shape_logprobs, head, index=0, echo_text=""):
+    """Generate and shape a text_completion (or its chunks); the chat API converts the result. `echo_text` goes
+    before the generated text (the first chunk when streaming)."""
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
         raise ValueError(f"max_tokens must be None or an integer, got {max_tokens!r}")
     if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: as many as the context holds
         max_tokens = max(llm.n_ctx - len(tokens), 1)
     out = llm.generate(tokens, max_tokens=max_tokens, stream=stream, logprobs=logprobs, **sampling)
     if stream:
-        return _completion_chunks(head, out, llm.last_stats, index)
-    choice = {"text": out.text, "index": index,
+        return _completion_chunks(head, out, llm.last_stats, index, echo_text)
+    choice = {"text": echo_text + out.text, "index": index,
               "logprobs": shape_logprobs(out.logprobs) if logprobs is not None else None,
               "finish_reason": out.finish_reason}
     stats = stats_dict(out.stats)
     return {**head, "choices": [choice], "usage": usage(stats), "sfi_stats": stats}
 
 
-def _completion_chunks(head, pieces: Iterator[str], stats, index: int = 0) -> Iterator[dict]:
+def _completion_chunks(head, pieces: Iterator[str], stats, index: int = 0, echo_text: str = "") -> Iterator[dict]:
     try:
+        if echo_text:
+            yield {**head, "choices": [{"text": echo_text, "index": index, "logprobs": None, "finish_reason": None}]}
         for piece in pieces:
             yield {**head, "choices": [{"text": piece, "index": index, "logprobs": None, "finish_reason": None}]}
     finally:
@@ -269,7 +303,7 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     n_top = (top_logprobs or 0) if logprobs else None
     sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
                          presence_penalty, sfi, constraint[0][1] if constraint else None, typical_p, mirostat_mode,
-                         mirostat_tau, mirostat_eta, logit_bias)
+                         mirostat_tau, mirostat_eta, logit_bias, logits_processor)
     if request.active:  # the format's markers stay in the text the calls are read from
         sampling["keep_special"] = _marker_tokens(llm, request.format.markers)
     result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,

@@ -95,8 +95,7 @@ def test_stop_string(llm, completion):
     assert streamed == out["choices"][0]["text"]
 
 
-@pytest.mark.parametrize("kwargs", [{"suffix": "x"}, {"echo": True}, {"tfs_z": 0.5},
-                                    {"logprobs": 1, "stream": True}])
+@pytest.mark.parametrize("kwargs", [{"tfs_z": 0.5}, {"logprobs": 1, "stream": True}, {"echo": True, "logprobs": 1}])
 def test_unsupported_completion_arguments_raise(llm, kwargs):
     with pytest.raises(NotImplementedError):
         llm.create_completion(PROMPT, max_tokens=2, **kwargs)
