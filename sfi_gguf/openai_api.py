@@ -7,6 +7,9 @@ extra "sfi_stats" key (the last chunk when streaming), which clients that do not
 prompt before the generated text; `logits_processor` and `stopping_criteria` are llama-cpp-python's callables.
 Arguments we do not implement raise `NotImplementedError` instead of being silently ignored.
 
+`n` (keyword-only, as `sfi`) asks for n choices of each prompt, indexed 0..n-1 (prompt i's at i*n ..); they decode
+one after the other (see `_choice_runs`), each with its own sampler: with a `seed`, choice j samples with seed + j.
+
 Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`, the legacy `functions` / `function_call`) is in
 `tool_calls`; `grammar`, `response_format` json_object / json_schema and a forced tool choice run
 llama.cpp's grammar sampler in the sampler chain (JSON schemas converted by llama-cpp-python's converter).
@@ -14,6 +17,7 @@ llama.cpp's grammar sampler in the sampler chain (JSON schemas converted by llam
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -21,6 +25,7 @@ import uuid
 from typing import Any, Iterator
 
 from . import tool_calls
+from .sampling import is_int
 
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
 _NOT_USED = {"tfs_z": 1.0}
@@ -89,6 +94,56 @@ def usage(sfi_stats: dict[str, Any]) -> dict[str, int]:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
 
 
+def choice_usage(sfi_stats: dict[str, Any], index: int, n: int) -> dict[str, int]:
+    """The usage of choice `index` of a request with `n` choices per prompt: a prompt counts with its first choice."""
+    out = usage(sfi_stats)
+    if index % n:
+        out.update(prompt_tokens=0, total_tokens=out["completion_tokens"])
+    return out
+
+
+def add_usage(total: dict[str, int] | None, more: dict[str, int]) -> dict[str, int]:
+    return dict(more) if total is None else {k: total[k] + more[k] for k in more}
+
+
+def check_n(n) -> None:
+    if not is_int(n) or n < 1:
+        raise ValueError(f"n (the number of choices) must be an integer >= 1, got {n!r}")
+
+
+def _choice_sampling(sampling: dict[str, Any], j: int) -> dict[str, Any]:
+    """Choice j's sampling: seed + j with a seed (choices differ; the same request repeats them), else its own random
+    seed (each choice's sampler draws one)."""
+    seed = sampling.get("seed")
+    if j == 0 or not is_int(seed):  # (a bad seed is refused by the first choice as it is)
+        return sampling
+    return {**sampling, "seed": (seed + j) % 0xFFFFFFFF}  # (0xFFFFFFFF is llama.cpp's "draw a random seed")
+
+
+def _choice_runs(make, n_prompts: int, n: int) -> Iterator:
+    """make(prompt_index, j) for every choice, in index order: the first now (its errors raise at the call), each
+    other when the one before is done.
+
+    The choices run one after the other, not as n sequences of a batch: a one-sequence model (the default server)
+    has no second sequence, and each choice after the first reuses the prompt's KV cache (the prefix shared with the
+    call before; on parallel slots, unless another request took the slot), so the prompt is prefilled once. Sharing
+    the prompt across batch sequences would need each sequence's SFI state (compact view, selection) copied with
+    its KV cells.
+    """
+    order = [(i, j) for i in range(n_prompts) for j in range(n)]
+    first = make(*order[0])
+    return itertools.chain([first], (make(i, j) for i, j in order[1:]))
+
+
+def _merged(head: dict, results: list[dict], n: int) -> dict:
+    """One text_completion of several runs (one choice each): usage counts each prompt once."""
+    total = None
+    for r in results:
+        total = add_usage(total, choice_usage(r["sfi_stats"], r["choices"][0]["index"], n))
+    return {**head, "choices": [r["choices"][0] for r in results], "usage": total,
+            "sfi_stats": [r["sfi_stats"] for r in results]}
+
+
 def _json_safe(x):
     if isinstance(x, float) and not math.isfinite(x):
         return None
@@ -121,13 +176,14 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
                       typical_p=1.0, logprobs=None, echo=False, stop=None, frequency_penalty=0.0,
                       presence_penalty=0.0, repeat_penalty=1.0, top_k=40, stream=False, seed=None, tfs_z=1.0,
                       mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, model=None, stopping_criteria=None,
-                      logits_processor=None, grammar=None, logit_bias=None, *, sfi=None):
+                      logits_processor=None, grammar=None, logit_bias=None, *, sfi=None, n=1):
     """`llama_cpp.Llama.create_completion`: a text_completion dict, or an iterator of chunks if stream.
 
     `sfi` (an SFIConfig, policy name, bool or dict of SFIConfig keywords) overrides the model's SFI
-    settings for this call.
+    settings for this call. `n`: choices per prompt (then "sfi_stats" is a list, one per choice).
     """
     _check_supported(locals())
+    check_n(n)
     prompts = _prompt_list(prompt)
     if echo not in (True, False):
         raise ValueError(f"echo must be true or false, got {echo!r}")
@@ -141,25 +197,20 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
         if len(prompts) != 1 or not isinstance(prompts[0], str) or not isinstance(suffix, str):
             raise ValueError("suffix (fill in the middle) takes one text prompt, the text before the gap, and the "
                              f"text after it as a string; got prompt {prompt!r}, suffix {suffix!r}")
-        return _completion(llm, prompts[0], _infill_tokens(llm, prompts[0], suffix), max_tokens, stream, logprobs,
-                           sampling, head, echo=echo)
-    if len(prompts) == 1:
-        return _completion(llm, prompts[0], llm.prompt_tokens(prompts[0]), max_tokens, stream, logprobs, sampling,
-                           head, echo=echo)
-    # several prompts (the OpenAI API's list of prompts): one choice each, in order, decoded one after the other
-    all_tokens = [llm.prompt_tokens(p) for p in prompts]  # every prompt is checked before the first is decoded
-    for i, tokens in enumerate(all_tokens):
-        if len(tokens) >= llm.n_ctx:
-            raise ValueError(f"prompt {i} has {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
-    runs = (_completion(llm, p, t, max_tokens, stream, logprobs, sampling, head, index=i, echo=echo)
-            for i, (p, t) in enumerate(zip(prompts, all_tokens)))
-    if stream:
-        return _chained(runs)
-    results = list(runs)
-    usages = [r["usage"] for r in results]
-    return {**head, "choices": [r["choices"][0] for r in results],
-            "usage": {k: sum(u[k] for u in usages) for k in usages[0]},
-            "sfi_stats": [r["sfi_stats"] for r in results]}
+        all_tokens = [_infill_tokens(llm, prompts[0], suffix)]
+    elif len(prompts) == 1:
+        all_tokens = [llm.prompt_tokens(prompts[0])]
+    else:  # the OpenAI API's list of prompts: every prompt is checked before the first is decoded
+        all_tokens = [llm.prompt_tokens(p) for p in prompts]
+        for i, tokens in enumerate(all_tokens):
+            if len(tokens) >= llm.n_ctx:
+                raise ValueError(f"prompt {i} has {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
+    run = lambda i, j: _completion(llm, prompts[i], all_tokens[i], max_tokens, stream, logprobs,  # noqa: E731
+                                   _choice_sampling(sampling, j), head, index=i * n + j, echo=echo)
+    if len(prompts) == 1 and n == 1:
+        return run(0, 0)
+    runs = _choice_runs(run, len(prompts), n)
+    return _chained(runs) if stream else _merged(head, list(runs), n)
 
 
 def _prompt_list(prompt) -> list:
@@ -275,14 +326,17 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
                            stop=None, seed=None, response_format=None, max_tokens=None, presence_penalty=0.0,
                            frequency_penalty=0.0, repeat_penalty=1.0, tfs_z=1.0, mirostat_mode=0,
                            mirostat_tau=5.0, mirostat_eta=0.1, model=None, logits_processor=None, grammar=None,
-                           logit_bias=None, logprobs=None, top_logprobs=None, *, sfi=None, parallel_tool_calls=None):
+                           logit_bias=None, logprobs=None, top_logprobs=None, *, sfi=None, parallel_tool_calls=None,
+                           n=1):
     """`llama_cpp.Llama.create_chat_completion`: a chat.completion dict, or chat.completion.chunk dicts.
 
     The prompt is the GGUF's chat template applied to `messages` (and `tools`). A conversation that grows
     turn by turn reuses the KV cache of everything before the new messages. With tools, the model's calls
     come back as the message's `tool_calls` (streamed as `delta.tool_calls`), finish_reason "tool_calls".
+    `n` choices each read their own calls and follow the grammar of `response_format` on their own.
     """
     _check_supported(locals())
+    check_n(n)
     if not isinstance(messages, (list, tuple)) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ValueError("messages must be a non-empty list of {'role': ..., 'content': ...} dicts")
     if logprobs not in (None, True, False):
@@ -306,19 +360,25 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
                          mirostat_tau, mirostat_eta, logit_bias, logits_processor)
     if request.active:  # the format's markers stay in the text the calls are read from
         sampling["keep_special"] = _marker_tokens(llm, request.format.markers)
-    result = _complete(llm, tokens, max_tokens, stream, n_top, sampling,
-                       lambda records: _chat_logprobs(llm, records), _head("cmpl", model, llm))
+    head = _head("cmpl", model, llm)
+    shape_logprobs = lambda records: _chat_logprobs(llm, records)  # noqa: E731
+    run = lambda _, j: _complete(llm, tokens, max_tokens, stream, n_top, _choice_sampling(sampling, j),  # noqa: E731
+                                 shape_logprobs, head, index=j)
+    runs = _choice_runs(run, 1, n)
     if stream:
-        return _chat_chunks(result, request)
-    choice = result["choices"][0]
+        return _chained(_chat_chunks(chunks, request) for chunks in runs)
+    result = _merged(head, list(runs), n)
+    return {"id": "chat" + result["id"], "object": "chat.completion", "created": result["created"],
+            "model": result["model"], "choices": [_chat_choice(c, request) for c in result["choices"]],
+            "usage": result["usage"], "sfi_stats": result["sfi_stats"] if n > 1 else result["sfi_stats"][0]}
+
+
+def _chat_choice(choice: dict, request) -> dict:
     message = {"role": "assistant", "content": choice["text"]}
     finish = choice["finish_reason"]
     if request.active:
         message, finish = tool_calls.message(choice["text"], finish, request)
-    return {"id": "chat" + result["id"], "object": "chat.completion", "created": result["created"],
-            "model": result["model"],
-            "choices": [{"index": 0, "message": message, "logprobs": choice["logprobs"], "finish_reason": finish}],
-            "usage": result["usage"], "sfi_stats": result["sfi_stats"]}
+    return {"index": choice["index"], "message": message, "logprobs": choice["logprobs"], "finish_reason": finish}
 
 
 def _marker_tokens(llm, markers) -> list[int]:
@@ -344,11 +404,11 @@ def _chat_chunks(chunks: Iterator[dict], request=None) -> Iterator[dict]:
         for i, chunk in enumerate(chunks):
             head = {"id": "chat" + chunk["id"], "model": chunk["model"], "created": chunk["created"],
                     "object": "chat.completion.chunk"}
+            c = chunk["choices"][0]
             delta = lambda d, finish=None: {**head, "choices": [  # noqa: E731
-                {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+                {"index": c["index"], "delta": d, "logprobs": None, "finish_reason": finish}]}
             if i == 0:
                 yield delta({"role": "assistant"})
-            c = chunk["choices"][0]
             if c["finish_reason"] is None:
                 if calls is None:
                     yield delta({"content": c["text"]})
