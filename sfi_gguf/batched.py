@@ -43,6 +43,8 @@ class Request:
     ignore_eos: bool = False
     config: object = None                            # the SFIConfig of this request (None: the model's)
     cancel: threading.Event | None = None            # set: the request ends at the next step (its client left)
+    keep_special: frozenset = frozenset()            # control tokens whose text stays in the output
+    stopping_criteria: Callable | None = None        # llama-cpp-python's: True ends the request before the token
     on_piece: Callable[[str], None] | None = None   # called with each text piece as it is decoded
     stats: GenerationStats = field(default_factory=GenerationStats)
     out_tokens: list[int] = field(default_factory=list)
@@ -113,7 +115,7 @@ class BatchedDecoder:
         slot.stepper = self.make_stepper(slot.ctx, request.config)
         start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
         slot.ending = Ending(request.stop, request.max_tokens, request.ignore_eos, request.stats, request.out_tokens,
-                             request.cancel)
+                             request.cancel, request.keep_special, request.stopping_criteria)
         slot.t_decode = 0.0
         if slot.ending.reason is not None:  # max_tokens 0
             request.done = True  # the next step() frees the slot

@@ -158,7 +158,8 @@ class Llama(llama_cpp.Llama):
                                  "chat_handler not set); the chosen handler has its own tool handling")
             return super().create_chat_completion(**a)
         request = tool_calls.tool_request(a.pop("tools", None), a.pop("tool_choice", None), a.pop("functions", None),
-                                          a.pop("function_call", None), parallel_tool_calls)
+                                          a.pop("function_call", None), parallel_tool_calls,
+                                          template=self.metadata.get("tokenizer.chat_template"))
         a["messages"] = tool_calls.template_messages(list(a["messages"]))
         if request.tools:
             a["tools"] = request.tools

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
+
 from .context import LlamaContext
 from .sampling import Sampler
 
@@ -132,8 +134,11 @@ class Ending:
     """
 
     def __init__(self, stop: Sequence[str], max_tokens: int, ignore_eos: bool, stats: GenerationStats,
-                 out_tokens: list[int], cancel: threading.Event | None = None):
+                 out_tokens: list[int], cancel: threading.Event | None = None, keep_special: frozenset = frozenset(),
+                 stopping_criteria=None):
         self.text = TextStream(stop)
+        self.stopping_criteria = stopping_criteria
+        self.keep_special = keep_special  # control tokens whose text stays (a tool-call format's markers)
         self.max_tokens, self.ignore_eos, self.cancel = max_tokens, ignore_eos, cancel
         self.stats, self.out_tokens = stats, out_tokens
         self.reason: str | None = None
@@ -145,14 +150,20 @@ class Ending:
         return reason
 
     def accept(self, ctx: LlamaContext, token: int) -> str:
-        """Record a sampled token; returns its text that is safe to emit now."""
+        """Record a sampled token; returns its text that is safe to emit now. A stopping criterion that answers
+        True (llama-cpp-python's: the tokens so far and the logits the token came from) ends the generation
+        with "stop" before the token, as llama-cpp-python does."""
+        if self.stopping_criteria is not None and self.stopping_criteria(
+                np.array(ctx.tokens, dtype=np.intc), ctx.last_logits().copy()):
+            self._end("stop")
+            return ""
         self.out_tokens.append(token)
         self.stats.n_generated += 1
         if not self.ignore_eos and ctx.is_eog(token):
             self.stats.ended_on_eog = True
             self._end("stop")
             return ""
-        piece, stopped = self.text.push(ctx.token_bytes(token))
+        piece, stopped = self.text.push(ctx.token_bytes(token, special=token in self.keep_special))
         if stopped:
             self._end("stop")
         elif self.stats.n_generated >= self.max_tokens:
@@ -186,13 +197,14 @@ def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, st
 def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sampler, stepper,
                    max_tokens: int, stop: Sequence[str], stats: GenerationStats,
                    out_tokens: list[int], progress: bool = False, ignore_eos: bool = False,
-                   cancel: threading.Event | None = None) -> Iterator[str]:
+                   cancel: threading.Event | None = None, keep_special: frozenset = frozenset(),
+                   stopping_criteria=None) -> Iterator[str]:
     """Yields text pieces; fills `stats` and `out_tokens` as it goes (valid once exhausted).
 
     `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
     """
     start_generation(stepper, prompt_tokens, sampler, stats, progress)
-    ending = Ending(stop, max_tokens, ignore_eos, stats, out_tokens, cancel)
+    ending = Ending(stop, max_tokens, ignore_eos, stats, out_tokens, cancel, keep_special, stopping_criteria)
     t_decode = time.perf_counter()
     try:
         while ending.reason is None:

@@ -233,7 +233,8 @@ class SFILlama:
                  logprobs: int | None = None, sfi: SFIConfig | str | bool | None = None,
                  cancel: threading.Event | None = None, grammar=None, typical_p: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
-                 logit_bias: dict | None = None) -> Union[Completion, Iterator[str]]:
+                 logit_bias: dict | None = None, keep_special: Sequence[int] | None = None,
+                 logits_processor=None, stopping_criteria=None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
@@ -245,7 +246,12 @@ class SFILlama:
         `grammar` (a `llama_cpp.LlamaGrammar` or GBNF text) constrains the tokens with llama.cpp's grammar
         sampler (`LlamaGrammar.from_json_schema` turns a JSON schema into one). `typical_p`, `mirostat_mode`
         (1 or 2, with `mirostat_tau` and `mirostat_eta`) and `logit_bias` ({token id: bias}) are llama.cpp's
-        samplers, placed as llama-cpp-python places them.
+        samplers, placed as llama-cpp-python places them. `keep_special`: token ids of control tokens whose text
+        stays in the output (a tool-call format's markers, such as Mistral's `[TOOL_CALLS]`); the others are left
+        out, as llama.cpp detokenizes. `logits_processor` and `stopping_criteria` are llama-cpp-python's (callables
+        of the tokens so far and the logits, or its `LogitsProcessorList` / `StoppingCriteriaList`): the first
+        rewrites the logits before sampling, the second ends the generation (finish_reason "stop") before the
+        token sampled when it answers True.
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -270,12 +276,14 @@ class SFILlama:
         stats = GenerationStats()
         self.last_stats = stats
         out_tokens: list[int] = []
+        _check_callable("stopping_criteria", stopping_criteria)
         sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
-                          vocab=self._ctx.vocab)
+                          vocab=self._ctx.vocab, logits_processor=logits_processor)
         stepper = self._stepper(config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
-                                ignore_eos=ignore_eos, cancel=cancel)
+                                ignore_eos=ignore_eos, cancel=cancel, keep_special=_token_set(keep_special),
+                                stopping_criteria=stopping_criteria)
         if max_tokens == 0:
             pieces = _prefill_only(stepper, self._ctx, tokens, stats)
         if stream:
@@ -326,9 +334,10 @@ class SFILlama:
                       frequency_penalty: float = 0.0, presence_penalty: float = 0.0, logprobs: int | None = None,
                       sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None,
                       grammar=None, typical_p: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
-                      mirostat_eta: float = 0.1, logit_bias: dict | None = None):
-        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`: as
-        there)."""
+                      mirostat_eta: float = 0.1, logit_bias: dict | None = None,
+                      keep_special: Sequence[int] | None = None, logits_processor=None, stopping_criteria=None):
+        """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`,
+        `keep_special`, `logits_processor`, `stopping_criteria`: as there)."""
         from .batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
@@ -344,10 +353,12 @@ class SFILlama:
                                 mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
                                 logit_bias=logit_bias_items(logit_bias))
         params.validate()
+        _check_callable("stopping_criteria", stopping_criteria)
         sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
-                          vocab=self._ctx.vocab)
+                          vocab=self._ctx.vocab, logits_processor=logits_processor)
         return Request(tokens=tokens, sampler=sampler, max_tokens=max_tokens,
-                       stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel)
+                       stop=stop_list, ignore_eos=ignore_eos, config=config, cancel=cancel,
+                       keep_special=_token_set(keep_special), stopping_criteria=stopping_criteria)
 
     @_serialised
     def batched_decoder(self):
@@ -414,6 +425,20 @@ def _stop_list(stop) -> list[str]:
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
     return list(stops)
+
+
+def _check_callable(name: str, value) -> None:
+    if value is not None and not callable(value):
+        raise ValueError(f"{name} must be a callable (input_ids, logits) -> bool, such as a "
+                         f"llama_cpp.StoppingCriteriaList, got {value!r}")
+
+
+def _token_set(tokens) -> frozenset:
+    if tokens is None:
+        return frozenset()
+    if isinstance(tokens, (str, bytes)) or not all(is_int(t) for t in tokens):
+        raise ValueError(f"keep_special must be a list of token ids, got {tokens!r}")
+    return frozenset(int(t) for t in tokens)
 
 
 def _check_flags(**flags) -> None:

@@ -108,11 +108,18 @@ class Sampler:
     `grammar` (GBNF text, root rule "root"; needs `vocab`): llama.cpp's grammar sampler in the chain, after
     the penalties, as llama-cpp-python places it: only tokens the grammar allows are sampled, and once it
     is complete only end-of-generation.
+    `logits_processor` (llama-cpp-python's: a callable, or a `LogitsProcessorList`, of the tokens so far as an
+    np.intc array and the logits as np.single, returning new logits) rewrites the logits before the chain
+    samples (the log-probabilities reported stay the model's own).
     """
 
     def __init__(self, params: SamplingParams, n_vocab: int, logprobs: int | None = None,
-                 grammar: str | None = None, vocab=None):
+                 grammar: str | None = None, vocab=None, logits_processor=None):
         params.validate()
+        if logits_processor is not None and not callable(logits_processor):
+            raise ValueError("logits_processor must be a callable (input_ids, scores) -> scores, such as a "
+                             f"llama_cpp.LogitsProcessorList, got {logits_processor!r}")
+        self.logits_processor = logits_processor
         if logprobs is not None and (not is_int(logprobs) or logprobs < 0):
             raise ValueError(f"logprobs must be None or an integer >= 0, got {logprobs!r}")
         self.n_logprobs = logprobs
@@ -171,13 +178,18 @@ class Sampler:
 
     def sample(self, ctx: "LlamaContext") -> int:
         """Sample from the logits of the last token of the last decode (and accept it)."""
+        raw = None
+        if self.logits_processor is not None:
+            logits = ctx.last_logits()  # (a view of llama.cpp's buffer: the chain samples what is written here)
+            raw = logits.copy() if self.n_logprobs is not None else None
+            logits[:] = self.logits_processor(np.array(ctx.tokens, dtype=np.intc), logits.copy())
         if self._plain_greedy:
             token = int(np.argmax(ctx.last_logits()))
             llama_cpp.llama_sampler_accept(self._chain, token)
         else:
             token = llama_cpp.llama_sampler_sample(self._chain, ctx.ctx, ctx.logits_index)
         if self.n_logprobs is not None:
-            self.logprobs.append(_top_logprobs(ctx.last_logits(), token, self.n_logprobs))
+            self.logprobs.append(_top_logprobs(raw if raw is not None else ctx.last_logits(), token, self.n_logprobs))
         return token
 
     def close(self) -> None:

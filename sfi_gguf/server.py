@@ -13,7 +13,8 @@ events when "stream" is true), GET /health. Every response carries the request's
 "sfi_stats". Every error is a JSON body of the OpenAI shape ({"error": {"message", "type", ...}}),
 except for bytes that are not HTTP at all, which uvicorn answers with a plain 400 and a closed
 connection. A request body must arrive within `body_timeout` seconds of silence and hold at most
-`max_body_bytes`; a client that disconnects ends its generation before the next token.
+`max_body_bytes`; a client that disconnects ends its generation before the next token. A request asks
+for at most `max_n` choices ("n"; they decode one after the other, see `openai_api`).
 """
 from __future__ import annotations
 
@@ -35,14 +36,16 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import openai_api
+from .sampling import is_int
 
 # request fields that only exist for Python callers of llama-cpp-python
 _PYTHON_ONLY = {"stopping_criteria", "logits_processor"}
 # OpenAI request fields we accept without a llama-cpp-python argument of the same name
-_EXTRA = {"n", "best_of", "user", "stream_options", "max_completion_tokens"}
+_EXTRA = {"best_of", "user", "stream_options", "max_completion_tokens"}
 
 MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is well under 1 MiB of text or token ids
 BODY_TIMEOUT_S = 30.0        # silence allowed while a request body arrives
+MAX_N = 16                   # choices of one request: they decode one after the other, each max_tokens long
 
 
 def _accepted(fn) -> set[str]:
@@ -69,12 +72,14 @@ class SFIServer:
     """
 
     def __init__(self, llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-                 verbose: bool = False, body_timeout: float = BODY_TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES):
+                 verbose: bool = False, body_timeout: float = BODY_TIMEOUT_S, max_body_bytes: int = MAX_BODY_BYTES,
+                 max_n: int = MAX_N):
         self.llm = llm
         self.model_name = model_name or llm.model_path.stem
         self.verbose = verbose
         self.body_timeout = body_timeout
         self.max_body_bytes = max_body_bytes
+        self.max_n = max_n
         self.created = int(time.time())
         self.slots = None
         if llm.context.n_seq_max > 1:
@@ -172,7 +177,7 @@ class _Generate:
         srv = self.server
         try:
             body = await _read_body(scope, receive, srv.max_body_bytes, srv.body_timeout)
-            kwargs, include_usage = _kwargs(_json(body), self.fn, self.main, srv.model_name)
+            kwargs, include_usage = _kwargs(_json(body), self.fn, self.main, srv.model_name, srv.max_n)
         except RequestError as exc:
             return await _error(exc.status, str(exc))(scope, receive, send)
         except _ClientGone:
@@ -203,7 +208,7 @@ class _Generate:
             return await _error(500, f"{type(exc).__name__}: {exc}")(scope, None, send)
         if not stream:
             return await JSONResponse(result)(scope, None, send)
-        await _send_events(send, result, first, include_usage, cancel)
+        await _send_events(send, result, first, include_usage, kwargs.get("n", 1))
 
 
 async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
@@ -238,7 +243,7 @@ def _json(body: bytes) -> Any:
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
 
 
-def _kwargs(body: Any, fn, main: str, model_name: str) -> tuple[dict[str, Any], bool]:
+def _kwargs(body: Any, fn, main: str, model_name: str, max_n: int = MAX_N) -> tuple[dict[str, Any], bool]:
     """Request JSON -> (arguments of openai_api.create_(chat_)completion, include_usage); refuses what
     it does not understand, before anything is generated."""
     if not isinstance(body, dict):
@@ -248,9 +253,12 @@ def _kwargs(body: Any, fn, main: str, model_name: str) -> tuple[dict[str, Any], 
     unknown = set(body) - _accepted(fn) - _EXTRA - {main}
     if unknown:
         raise RequestError(f"unsupported field(s): {', '.join(sorted(unknown))}")
-    for name in ("n", "best_of"):
-        if body.get(name, 1) not in (1, None) or body.get(name) is True:
-            raise RequestError(f"only {name}=1 is supported, got {body[name]!r}")
+    n = body.get("n")
+    if n is not None and (not is_int(n) or not 1 <= n <= max_n):
+        raise RequestError(f"n (the number of choices) must be an integer from 1 to {max_n}, got {n!r}")
+    best_of = body.get("best_of")
+    if best_of is not None and (not is_int(best_of) or best_of != (n or 1)):  # best_of = n: every sample returned
+        raise RequestError(f"only best_of=1 (or best_of equal to n) is supported, got {best_of!r}")
     if body.get("stream") not in (None, True, False):
         raise RequestError(f"stream must be true or false, got {body['stream']!r}")
     options = body.get("stream_options")
@@ -276,9 +284,9 @@ async def _watch_disconnect(receive, cancel: threading.Event) -> None:
     cancel.set()
 
 
-async def _send_events(send, chunks, first, include_usage: bool, cancel: threading.Event) -> None:
-    """The chunks as server-sent events, then the usage chunk (if asked for) and [DONE]. An error after
-    the first chunk is reported as an error event (the status line is sent)."""
+async def _send_events(send, chunks, first, include_usage: bool, n: int) -> None:
+    """The chunks as server-sent events, then the usage chunk (if asked for; `n` choices per prompt) and [DONE].
+    An error after the first chunk is reported as an error event (the status line is sent)."""
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
     event = lambda payload: send({"type": "http.response.body", "more_body": True,  # noqa: E731
@@ -289,9 +297,9 @@ async def _send_events(send, chunks, first, include_usage: bool, cancel: threadi
         while chunk is not None:
             await event(chunk)
             last = chunk
-            if "sfi_stats" in chunk:  # the last chunk of a prompt: count its usage
-                u = openai_api.usage(chunk["sfi_stats"])
-                totals = u if totals is None else {k: totals[k] + u[k] for k in u}
+            if "sfi_stats" in chunk:  # the last chunk of a choice: count its usage
+                index = chunk["choices"][0]["index"]
+                totals = openai_api.add_usage(totals, openai_api.choice_usage(chunk["sfi_stats"], index, n))
             chunk = await anyio.to_thread.run_sync(next, chunks, None)
         if include_usage and last is not None and totals is not None:
             await event({**{k: last[k] for k in ("id", "object", "created", "model")}, "choices": [],

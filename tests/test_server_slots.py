@@ -71,3 +71,24 @@ def test_a_bad_request_fails_alone(server):
     assert e.value.code == 400 and b"n_ctx" in e.value.read()
     ok = _post(server, {"prompt": _prompts(1)[0], "max_tokens": 4, "temperature": 0})
     assert ok["usage"]["completion_tokens"] == 4
+
+
+def test_n_choices_on_the_slots_match_seeded_requests_alone(server):
+    """n=3 on parallel slots, streamed and not: choice j is what a lone request with seed + j gets."""
+    prompt = _prompts(1)[0]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 1.0, "seed": 11, "n": 3, "sfi": SFI}
+    whole = _post(server, body)
+    assert [c["index"] for c in whole["choices"]] == [0, 1, 2] and len(whole["sfi_stats"]) == 3
+    req = urllib.request.Request(server.url + "/completions", data=json.dumps({**body, "stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        events = [json.loads(line[6:]) for line in resp.read().decode().splitlines() if line.startswith("data: {")]
+    streamed = {}
+    for e in events:
+        (c,) = e["choices"]
+        streamed[c["index"]] = streamed.get(c["index"], "") + c["text"]
+    assert sorted(streamed) == [0, 1, 2]
+    for j in range(3):
+        alone = server.llm.generate(prompt, max_tokens=8, temperature=1.0, seed=11 + j, sfi=SFI)
+        assert whole["choices"][j]["text"] == streamed[j] == alone.text, j
+    assert len({c["text"] for c in whole["choices"]}) > 1

@@ -74,6 +74,22 @@ def test_streamed_tool_calls_are_the_same_calls(client):
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
 
 
+def test_streamed_arguments_arrive_in_pieces(client):
+    """The openai client's own stream helper (which accumulates tool-call deltas as it does for OpenAI): the call's
+    arguments come in several `arguments.delta` events as the model writes them, and add up to the JSON of the
+    call the whole answer has."""
+    whole = _create(client, messages=SUM, tools=TOOLS).choices[0].message.tool_calls
+    with client.chat.completions.stream(model="test-model", messages=SUM, tools=TOOLS, temperature=0,
+                                        max_tokens=64) as stream:
+        pieces = [e.arguments_delta for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        final = stream.get_final_completion().choices[0]
+    (call,) = final.message.tool_calls
+    assert len(pieces) >= 3 and json.loads("".join(pieces)) == json.loads(call.function.arguments)
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole] == \
+        [(call.function.name, json.loads(call.function.arguments))]
+    assert final.finish_reason == "tool_calls" and call.id.startswith("call_")
+
+
 def test_required_named_and_single_calls(client):
     required = _create(client, messages=SUM, tools=TOOLS, tool_choice="required").choices[0]
     assert required.finish_reason == "tool_calls" and required.message.tool_calls
