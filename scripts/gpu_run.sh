@@ -7,7 +7,7 @@
 #   SFI_CYCLE_CTX, SFI_CYCLE_M, SFI_CYCLE_CANDIDATES, SFI_CYCLE_ARGS, SFI_BENCH_TAG),
 #   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py; SFI_PROFILE_KINDS,
 #   SFI_PROFILE_GROUPS, SFI_PROFILE_TOP, SFI_PROFILE_BATCH: sequences per step, e.g. 16 with SFI_CYCLE_CTX=32768),
-#   bench (SFI_BENCH_DEPTHS, SFI_BENCH_WEIGHTS: f16 q4_k_m ..., SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
+#   bench (SFI_BENCH_DEPTHS, SFI_BENCH_SHAPES: qwen3-4b qwen3-0.6b ..., SFI_BENCH_WEIGHTS: f16 q4_k_m ..., SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
 #   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV),
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),, selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
@@ -141,12 +141,14 @@ if [[ " $stages " == *" bench-delay "* ]]; then
     done
 fi
 if [[ " $stages " == *" bench "* ]]; then
-    for wt in ${SFI_BENCH_WEIGHTS:-f16}; do
-        log "sfi-gguf bench: dense vs SFI (Qwen3-4B shape, $wt)"
-        python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type $wt --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
-            --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} ${SFI_BENCH_ARGS:-} \
-            --json "$OUT/bench-h200-qwen3-4b-$wt${SFI_BENCH_TAG:-}.json" --markdown "$OUT/bench-h200-qwen3-4b-$wt${SFI_BENCH_TAG:-}.md" \
-            2>&1 | grep -v "^load:" | tail -20
+    for shape in ${SFI_BENCH_SHAPES:-qwen3-4b}; do
+        for wt in ${SFI_BENCH_WEIGHTS:-f16}; do
+            log "sfi-gguf bench: dense vs SFI ($shape shape, $wt)"
+            python3 -m sfi_gguf.cli bench -m $shape --weight-type $wt --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+                --depths ${SFI_BENCH_DEPTHS:-8192 32768 131072} -n ${SFI_BENCH_N:-256} ${SFI_BENCH_ARGS:-} \
+                --json "$OUT/bench-h200-$shape-$wt${SFI_BENCH_TAG:-}.json" --markdown "$OUT/bench-h200-$shape-$wt${SFI_BENCH_TAG:-}.md" \
+                2>&1 | grep -v "^load:" | tail -20
+        done
     done
 fi
 if [[ " $stages " == *" host-profile "* ]]; then
