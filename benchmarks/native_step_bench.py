@@ -111,12 +111,12 @@ def cycle_series(b: Bench, sfi: SFINative, args, n_cand: int, fast_ms: float, gr
         t0 = time.perf_counter()
         t_slow = b.step()
         t1 = time.perf_counter()
-        sel = sfi.selection()
-        if sel is None:
+        if not sfi.selection_size():
             raise SystemExit("the slow step ran no device Selector")
-        if load == "native":  # as SFIStepper does
+        if load == "native":  # as SFIStepper does: the selection's cells are read natively, after the next launch
             sfi.load_selection()
         else:  # through the host: sink and recent cells from the positions, the selection checked again
+            sel = sfi.selection()
             pos = sfi.cell_pos()
             sink, recent = CandidateRange.for_context(b.n_past, n_sink, n_recent).sink_and_recent_cells(pos)
             sfi.set_selection(sel, shared=np.concatenate([sink, recent]))
