@@ -40,7 +40,7 @@ class SFIConfig:
     """Last cells of the context at a refresh, always attended."""
     min_context: int | None = None
     """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain),
-    32768 with layers on a GPU (`llama.GPU_MIN_CONTEXT`, see `SFILlama.effective_config`)."""
+    24576 with layers on a GPU (`engine.GPU_MIN_CONTEXT`, see `SFILlama.effective_config`)."""
     n_candidates: int | None = None
     """Cells per layer a slow step hands to the Selector, chosen on the device by head-summed evidence
     (top-k in the graph), so that a long context's export is not copied and scored whole. None: 4 x

@@ -14,9 +14,8 @@ from .generate import DenseStepper
 
 # With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
 # it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Where SFI
-# starts on a GPU": at 24K, 1.08x for the Qwen3-4B shape but 0.97x for Qwen3-0.6B; at 32K 1.16x, 1.13x for
-# Qwen3-8B Q4_K_M, 1.02x).
-GPU_MIN_CONTEXT = 32768
+# starts on a GPU": at 16K 1.01x for the Qwen3-4B shape and 0.94x for Qwen3-0.6B, at 24K 1.15x for both).
+GPU_MIN_CONTEXT = 24576
 
 # On the CPU, with the default budget (k_head a quarter of the context), SFI starts at this context (unless
 # SFIConfig.min_context or an explicit k_head says otherwise): the default model on 2 threads measured 0.95x dense
