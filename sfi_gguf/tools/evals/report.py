@@ -9,27 +9,28 @@ from pathlib import Path
 
 import numpy as np
 
-from .runner import POLICIES
+from .runner import ALL_POLICIES, TEACHER_FORCED
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (model, task, context): the score of every policy side by side."""
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    """One line per (model, task, context, k_head): the score of every policy side by side."""
+    policies = [p for p in ALL_POLICIES if any(r["policy"] == p for r in rows)]
     head = ("| model | task | context | k_head | budget share | cases | " + " | ".join(policies) + " |\n"
             "|---|---|---|---|---|---|" + "---|" * len(policies) + "\n")
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["task"], r["context"]), {})[r["policy"]] = r
+        groups.setdefault((r["model"], r["task"], r["context"], r["k_head"]), {})[r["policy"]] = r
     lines = []
-    for (model, task, context), by_policy in groups.items():
+    for (model, task, context, _), by_policy in groups.items():
         any_row = next(iter(by_policy.values()))
         cells = []
         for p in policies:
             r = by_policy.get(p)
             if r is None:
                 cells.append("-")
-            elif task == "longgen" and p != "dense":
-                cells.append(f"{100 * r['score']:.1f} / {r['mean_kl']:.3f}")
+            elif task in TEACHER_FORCED and p != "dense":
+                cells.append(f"{100 * r['score']:.1f} / {r['mean_kl']:.3f}"
+                             + (f" / {r['first_divergence']:.0f}" if "first_divergence" in r else ""))
             elif task == "cot" and r.get("score_dense_solved") is not None:
                 cells.append(f"{100 * r['score']:.1f} ({100 * r['score_dense_solved']:.0f} of {r['n_dense_solved']})")
             else:
@@ -49,7 +50,7 @@ def plot_accuracy(rows: list[dict], path: str | Path) -> Path:
     panels = sorted({(r["model"], r["task"]) for r in rows if r["task"] in ("needle", "variables")})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
     for ax, (model, task) in zip(axes[0], panels):
-        for policy in POLICIES:
+        for policy in ALL_POLICIES:
             pts = sorted((r["context"], 100 * r["score"]) for r in rows
                          if r["model"] == model and r["task"] == task and r["policy"] == policy)
             if pts:
