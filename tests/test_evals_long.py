@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from sfi_gguf.tools.evals import answer_agreement, chain, longdoc, multifact, reasoning
-from sfi_gguf.tools.evals.report import markdown_table
+from sfi_gguf.tools.evals.report import cadence_table, markdown_table
 from sfi_gguf.tools.evals.runner import LONG_TASKS, Suite, TaskPlan, aggregate, policy_config
 
 
@@ -107,6 +107,11 @@ def test_budgets_variants_and_table():
     table = markdown_table(rows)
     assert "| m | agreement | 8192 | 2048 | 30% | 1 | 100.0 | 50.0 / 0.100 / 9 | 50.0 / 0.100 / 9 |" in table
     assert "| m | agreement | 8192 | 1024 | 30% | 1 | 100.0 | 25.0 / 0.100 / 9 | 25.0 / 0.100 / 9 |" in table
+    for r in records:
+        r["n_generated"], r["sfi"] = 200, {"n_slow": 8 if r["policy"] == "paper" else 14}
+    records.append({**records[1], "n_generated": 10, "sfi": {"n_slow": 5}})  # a short answer: not counted
+    cadence = cadence_table(records)
+    assert "| m | 8192 | 1024 | 7.0 | 4.0 |" in cadence and "| m | 8192 | 2048 | 7.0 | 4.0 |" in cadence
 
 
 # -- a tiny run on the default model -------------------------------------------------------------------

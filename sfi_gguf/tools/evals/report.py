@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .runner import ALL_POLICIES, TEACHER_FORCED
+from .runner import ALL_POLICIES, TEACHER_FORCED, VARIANTS
 
 
 def markdown_table(rows: list[dict]) -> str:
@@ -39,6 +39,26 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {model.removesuffix('.gguf')} | {task} | {shown_context} | {any_row['k_head']} | "
                      f"{100 * any_row['budget_share']:.0f}% | {any_row['n_cases']} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def cadence_table(records: list[dict]) -> str:
+    """How often each sparse policy refreshed: slow steps (bootstrap excluded) per 100 generated tokens,
+    per (model, context, k_head), over the tasks whose answers are longer than a few tokens."""
+    groups: dict[tuple, dict[str, list[int]]] = {}
+    for r in records:
+        sfi = r.get("sfi") or {}
+        if r["policy"] == "dense" or not r.get("n_generated") or r["n_generated"] < 32:
+            continue
+        counts = groups.setdefault((r["model"], r["context"], r["k_head"]), {}).setdefault(r["policy"], [0, 0])
+        counts[0] += sfi.get("n_slow", 0)
+        counts[1] += r["n_generated"]
+    policies = [p for p in ALL_POLICIES if any(p in g for g in groups.values())]
+    lines = ["| model | context | k_head | " + " | ".join(policies) + " |",
+             "|---|---|---|" + "---|" * len(policies)]
+    for (model, context, k_head), by_policy in sorted(groups.items()):
+        cells = [f"{100 * by_policy[p][0] / by_policy[p][1]:.1f}" if p in by_policy else "-" for p in policies]
+        lines.append(f"| {model.removesuffix('.gguf')} | {context} | {k_head} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_accuracy(rows: list[dict], path: str | Path) -> Path:
@@ -109,7 +129,10 @@ def write_report(data: dict, stem: str | Path) -> list[Path]:
     """`stem`.md (table), `stem`-accuracy.png and, if there is a long generation, `stem`-timeline.png."""
     stem = Path(stem)
     out = [stem.with_suffix(".md")]
-    out[0].write_text(markdown_table(data["rows"]))
+    table = markdown_table(data["rows"])
+    if any(r["policy"] in VARIANTS for r in data["records"]):
+        table += "\nSlow steps per 100 generated tokens (answers of 32 tokens or more):\n\n" + cadence_table(data["records"])
+    out[0].write_text(table)
     try:
         out.append(plot_accuracy(data["rows"], f"{stem}-accuracy.png"))
         longgen = [r for r in data["records"] if r["task"] == "longgen" and r["policy"] == "punctuation"]
