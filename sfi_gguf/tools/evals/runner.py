@@ -39,6 +39,7 @@ VARIANTS = {
 ALL_POLICIES = ("dense", "punctuation", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = (multifact, chain, reasoning, answer_agreement)  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
+TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -172,9 +173,6 @@ def aggregate(records: list[dict]) -> list[dict]:
             row["text_top1"] = round(float(np.mean(text)), 4) if text else None
         rows.append(row)
     return rows
-
-
-TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
 
 
 def load(path: Path) -> dict:
