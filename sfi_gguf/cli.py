@@ -288,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = sub.add_parser("model", help="fetch, assemble and verify a known model; print its path")
     model.add_argument("name", nargs="?", default="qwen2.5-coder-0.5b-instruct",
-                       help="qwen2.5-coder-0.5b-instruct, gemma3-270m or all")
+                       help="qwen2.5-coder-0.5b-instruct, gemma3-270m, qwen2.5-coder-1.5b-instruct or all")
     model.set_defaults(func=_cmd_model)
 
     info = sub.add_parser("info", help="show the loaded llama.cpp library and its build")

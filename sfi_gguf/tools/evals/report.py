@@ -9,27 +9,28 @@ from pathlib import Path
 
 import numpy as np
 
-from .runner import POLICIES
+from .runner import ALL_POLICIES, TEACHER_FORCED, VARIANTS
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (model, task, context): the score of every policy side by side."""
-    policies = [p for p in POLICIES if any(r["policy"] == p for r in rows)]
+    """One line per (model, task, context, k_head): the score of every policy side by side."""
+    policies = [p for p in ALL_POLICIES if any(r["policy"] == p for r in rows)]
     head = ("| model | task | context | k_head | budget share | cases | " + " | ".join(policies) + " |\n"
             "|---|---|---|---|---|---|" + "---|" * len(policies) + "\n")
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["model"], r["task"], r["context"]), {})[r["policy"]] = r
+        groups.setdefault((r["model"], r["task"], r["context"], r["k_head"]), {})[r["policy"]] = r
     lines = []
-    for (model, task, context), by_policy in groups.items():
+    for (model, task, context, _), by_policy in groups.items():
         any_row = next(iter(by_policy.values()))
         cells = []
         for p in policies:
             r = by_policy.get(p)
             if r is None:
                 cells.append("-")
-            elif task == "longgen" and p != "dense":
-                cells.append(f"{100 * r['score']:.1f} / {r['mean_kl']:.3f}")
+            elif task in TEACHER_FORCED and p != "dense":
+                cells.append(f"{100 * r['score']:.1f} / {r['mean_kl']:.3f}"
+                             + (f" / {r['first_divergence']:.0f}" if "first_divergence" in r else ""))
             elif task == "cot" and r.get("score_dense_solved") is not None:
                 cells.append(f"{100 * r['score']:.1f} ({100 * r['score_dense_solved']:.0f} of {r['n_dense_solved']})")
             else:
@@ -38,6 +39,26 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(f"| {model.removesuffix('.gguf')} | {task} | {shown_context} | {any_row['k_head']} | "
                      f"{100 * any_row['budget_share']:.0f}% | {any_row['n_cases']} | " + " | ".join(cells) + " |")
     return head + "\n".join(lines) + "\n"
+
+
+def cadence_table(records: list[dict]) -> str:
+    """How often each sparse policy refreshed: slow steps (bootstrap excluded) per 100 generated tokens,
+    per (model, context, k_head), over the tasks whose answers are longer than a few tokens."""
+    groups: dict[tuple, dict[str, list[int]]] = {}
+    for r in records:
+        sfi = r.get("sfi") or {}
+        if r["policy"] == "dense" or not r.get("n_generated") or r["n_generated"] < 32:
+            continue
+        counts = groups.setdefault((r["model"], r["context"], r["k_head"]), {}).setdefault(r["policy"], [0, 0])
+        counts[0] += sfi.get("n_slow", 0)
+        counts[1] += r["n_generated"]
+    policies = [p for p in ALL_POLICIES if any(p in g for g in groups.values())]
+    lines = ["| model | context | k_head | " + " | ".join(policies) + " |",
+             "|---|---|---|" + "---|" * len(policies)]
+    for (model, context, k_head), by_policy in sorted(groups.items()):
+        cells = [f"{100 * by_policy[p][0] / by_policy[p][1]:.1f}" if p in by_policy else "-" for p in policies]
+        lines.append(f"| {model.removesuffix('.gguf')} | {context} | {k_head} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 def plot_accuracy(rows: list[dict], path: str | Path) -> Path:
@@ -49,7 +70,7 @@ def plot_accuracy(rows: list[dict], path: str | Path) -> Path:
     panels = sorted({(r["model"], r["task"]) for r in rows if r["task"] in ("needle", "variables")})
     fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(4.2 * max(1, len(panels)), 3.6), squeeze=False)
     for ax, (model, task) in zip(axes[0], panels):
-        for policy in POLICIES:
+        for policy in ALL_POLICIES:
             pts = sorted((r["context"], 100 * r["score"]) for r in rows
                          if r["model"] == model and r["task"] == task and r["policy"] == policy)
             if pts:
@@ -108,7 +129,10 @@ def write_report(data: dict, stem: str | Path) -> list[Path]:
     """`stem`.md (table), `stem`-accuracy.png and, if there is a long generation, `stem`-timeline.png."""
     stem = Path(stem)
     out = [stem.with_suffix(".md")]
-    out[0].write_text(markdown_table(data["rows"]))
+    table = markdown_table(data["rows"])
+    if any(r["policy"] in VARIANTS for r in data["records"]):
+        table += "\nSlow steps per 100 generated tokens (answers of 32 tokens or more):\n\n" + cadence_table(data["records"])
+    out[0].write_text(table)
     try:
         out.append(plot_accuracy(data["rows"], f"{stem}-accuracy.png"))
         longgen = [r for r in data["records"] if r["task"] == "longgen" and r["policy"] == "punctuation"]

@@ -13,6 +13,8 @@ and a run given the same file skips the records it already holds (resume after a
 """
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 import sys
@@ -25,10 +27,19 @@ import numpy as np
 from ..._progress import Progress
 from ...config import K_HEAD_GRANULE, SFIConfig
 from ..provenance import git_commit
-from . import common, cot, longgen, needle, variables
+from . import answer_agreement, chain, common, cot, longgen, multifact, needle, reasoning, variables
 
 POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
-TASKS = {m.TASK: m for m in (needle, variables, longgen, cot)}
+#: trigger variants compared with the default one: eval name -> (policy, its parameters)
+VARIANTS = {
+    "paper": ("punctuation", {"confidence_floor": 0.0}),  # sentence starts + T_max + warm-up, no confidence rule
+    "fixed16": ("fixed", {"fixed_period": 16}),
+}
+#: every name a run may ask for, in table order
+ALL_POLICIES = ("dense", "punctuation", "paper", "fixed", "fixed16", "static", "sink_recent")
+LONG_TASKS = (multifact, chain, reasoning, answer_agreement)  # questions on one shared document (`longdoc`)
+TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
+TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
 REPO = Path(__file__).resolve().parents[3]
 
 
@@ -41,15 +52,27 @@ class TaskPlan:
     k_share: float = 0.125                 # k_head = this share of the context, a multiple of 64
     n_recent: int = 256
     options: dict = field(default_factory=dict)  # passed to the task's make_cases
+    budgets: tuple[int | float, ...] = ()  # several budgets per case: an int is a k_head, a float a share
+                                           # of the context; empty: k_share only
 
     def cases_at(self, i: int) -> int:
         return self.n_cases[i] if isinstance(self.n_cases, tuple) else self.n_cases
+
+    def k_heads(self, context: int) -> list[int]:
+        """The k_head of every budget at `context`, each once (two budgets can coincide)."""
+        out: list[int] = []
+        for budget in self.budgets or (self.k_share,):
+            k_head = k_head_for(context, budget) if isinstance(budget, float) else int(budget)
+            if k_head not in out:
+                out.append(k_head)
+        return out
 
 
 @dataclass(frozen=True)
 class Suite:
     models: dict[str, dict[str, TaskPlan]]   # model name -> task -> plan
     description: str = ""
+    policies: tuple[str, ...] = POLICIES     # names in ALL_POLICIES
 
 
 SUITES = {
@@ -75,6 +98,14 @@ SUITES = {
                 "variables": TaskPlan(contexts=(2048, 4096), n_cases=(4, 2)),
             },
         }),
+    "long": Suite(
+        description="answers spanning many refreshes (multi-fact, chain, reasoning, answer agreement) at 8K, 16K "
+                    "and 32K on one shared document per case, k_head 2048 and 12.5% of the context, the "
+                    "default trigger against the paper's cadence and a fixed period of 16; hours on 2 CPU "
+                    "cores (run it in the background: it resumes; --cases and --context give a subset first)",
+        policies=("dense", "punctuation", "paper", "fixed16", "static", "sink_recent"),
+        models={"qwen2.5-coder-0.5b-instruct": {
+            m.TASK: TaskPlan(contexts=(8192, 16384, 32768), n_cases=6, budgets=(2048, 0.125)) for m in LONG_TASKS}}),
 }
 
 
@@ -103,24 +134,26 @@ def _qa_case(llm, module, case: common.Case, tokens: list[int], configs: dict) -
     return out
 
 
-def _configs(policies, k_head: int, n_recent: int) -> dict[str, SFIConfig]:
-    return {p: SFIConfig(policy=p, k_head=k_head, n_recent=n_recent) for p in policies}
+def policy_config(name: str, k_head: int, n_recent: int) -> SFIConfig:
+    """The config of a policy or trigger variant (`VARIANTS`) at one budget."""
+    policy, params = VARIANTS.get(name, (name, {}))
+    return SFIConfig(policy=policy, k_head=k_head, n_recent=n_recent, **params)
 
 
 def _key(r: dict) -> tuple:
-    return (r["model"], r["task"], r["context"], r["case_id"], r["policy"])
+    return (r["model"], r["task"], r["context"], r["case_id"], r["policy"], r["k_head"])
 
 
 def aggregate(records: list[dict]) -> list[dict]:
     """One row per (model, task, context, policy): mean score over the cases."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["model"], r["task"], r["context"], r["policy"]), []).append(r)
+        groups.setdefault((r["model"], r["task"], r["context"], r["k_head"], r["policy"]), []).append(r)
     solved = {(r["model"], r["task"], r["context"], r["case_id"]) for r in records
               if r["policy"] == "dense" and r["score"] == 1.0}
     rows = []
-    for (model, task, context, policy), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2],
-                                                                                      POLICIES.index(kv[0][3]))):
+    for (model, task, context, _, policy), rs in sorted(groups.items(), key=lambda kv: (
+            kv[0][0], kv[0][1], kv[0][2], -kv[0][3], ALL_POLICIES.index(kv[0][4]))):
         row = {"model": model, "task": task, "context": context, "policy": policy,
                "prompt_tokens": int(np.mean([r["prompt_tokens"] for r in rs])),
                "k_head": rs[0]["k_head"], "n_sink": rs[0]["n_sink"], "n_recent": rs[0]["n_recent"],
@@ -129,11 +162,13 @@ def aggregate(records: list[dict]) -> list[dict]:
                "n_slow": round(float(np.mean([(r.get("sfi") or {}).get("n_slow", 0) for r in rs])), 2),
                "commit": rs[0]["commit"]}
         on_solved = [r["score"] for r in rs if (model, task, context, r["case_id"]) in solved]
-        if task != longgen.TASK:  # the cases dense gets right: is SFI's answer right there too?
+        if task not in TEACHER_FORCED:  # the cases dense gets right: is SFI's answer right there too?
             row["n_dense_solved"] = len(on_solved)
             row["score_dense_solved"] = round(float(np.mean(on_solved)), 4) if on_solved else None
-        if task == longgen.TASK:
+        if task in TEACHER_FORCED:
             row["mean_kl"] = round(float(np.mean([r["mean_kl"] for r in rs])), 4)
+        if task == answer_agreement.TASK:
+            row["first_divergence"] = round(float(np.mean([r["first_divergence"] for r in rs])), 1)
             text = [r["text_top1"] for r in rs if "text_top1" in r]  # argmax == the text's next token
             row["text_top1"] = round(float(np.mean(text)), 4) if text else None
         rows.append(row)
@@ -154,17 +189,24 @@ def save(path: Path, data: dict) -> None:
 
 
 def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None, *, models=None, tasks=None,
-              policies=POLICIES, n_threads: int | None = None, resume: bool = True, log=sys.stderr) -> dict:
+              policies=None, contexts=None, max_cases: int | None = None, n_threads: int | None = None,
+              resume: bool = True, log=sys.stderr) -> dict:
     """Run `suite` (a name in SUITES or a Suite) and return {"records": [...], "rows": [...]}.
 
     `out`: the JSON file (written after every case; None: not written). With `resume`, records
-    already in `out` are kept and their (case, policy) pairs are not run again.
-    `models`, `tasks`: run only these names of the suite.
+    already in `out` are kept and their (case, policy, budget) triples are not run again.
+    `models`, `tasks`, `contexts`: run only these of the suite; `policies`: these names of
+    ALL_POLICIES (default: the suite's); `max_cases`: at most this many cases per task and context
+    (the first ones, so a later run with more cases adds to them).
     """
     from ...llama import SFILlama
 
     name = suite if isinstance(suite, str) else "custom"
     suite = SUITES[suite] if isinstance(suite, str) else suite
+    policies = tuple(policies or suite.policies)
+    unknown = [p for p in policies if p not in ALL_POLICIES]
+    if unknown:
+        raise ValueError(f"unknown policies {unknown}; known: {', '.join(ALL_POLICIES)}")
     path = Path(out) if out else None
     data = load(path) if path and resume else {"records": [], "rows": []}
     data["suite"] = name
@@ -174,6 +216,10 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
         if models and model_name not in models:
             continue
         plans = {t: p for t, p in plans.items() if not tasks or t in tasks}
+        if contexts:
+            plans = {t: dataclasses.replace(p, contexts=tuple(c for c in p.contexts if c in contexts))
+                     for t, p in plans.items()}
+            plans = {t: p for t, p in plans.items() if p.contexts}
         if not plans:
             continue
         n_ctx = max(max(p.contexts) + (p.options.get("n_steps", 0) if t == longgen.TASK else 0)
@@ -188,33 +234,44 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
                 print(f"eval: {model_name} is a base model: skipping {task}", file=log)
                 continue
             for i, context in enumerate(plan.contexts):
+                n_cases = min(plan.cases_at(i), max_cases) if max_cases else plan.cases_at(i)
                 if task == cot.TASK:
-                    cases = module.make_cases(llm, plan.cases_at(i), **plan.options)
+                    cases = module.make_cases(llm, n_cases, **plan.options)
                 else:
-                    cases = module.make_cases(llm, context, plan.cases_at(i), **plan.options)
+                    cases = module.make_cases(llm, context, n_cases, **plan.options)
                 work += [(module, plan, case) for case in cases]
-        work.sort(key=lambda item: item[2].context)  # short contexts first: early results, cheap resumes
+        # short contexts first (early results, cheap resumes); the tasks sharing a document one after
+        # another, so its prefill serves all of them
+        work.sort(key=lambda item: (item[2].context, item[2].meta.get("document", "")))
         bar = Progress(len(work), f"eval {model_name}", unit="case", enabled=log is sys.stderr)
         for module, plan, case in work:
             tokens = (module.prompt_tokens if hasattr(module, "prompt_tokens") else common.prompt_tokens)(llm, case)
             context = case.context or len(tokens)
-            todo = [p for p in policies if (llm.model_path.name, case.task, case.context, case.case_id, p) not in done]
+            # label -> (policy, the k_heads it is recorded at): dense runs once, recorded at every budget
+            todo: dict[str, tuple[str, list[int]]] = {}
+            for k_head in plan.k_heads(context):
+                for p in policies:
+                    if (llm.model_path.name, case.task, case.context, case.case_id, p, k_head) in done:
+                        continue
+                    label = p if p == "dense" else f"{p}@{k_head}"
+                    todo.setdefault(label, (p, []))[1].append(k_head)
             if todo:
-                k_head = k_head_for(context, plan.k_share)
-                configs = _configs(todo, k_head, plan.n_recent)
+                configs = {label: policy_config(p, k_heads[0], plan.n_recent) for label, (p, k_heads) in todo.items()}
                 t0 = time.perf_counter()
                 run = module.run_case if hasattr(module, "run_case") else (
                     lambda llm_, case_, tokens_, configs_: _qa_case(llm_, module, case_, tokens_, configs_))
                 results = run(llm, case, tokens, configs)
-                for policy, res in results.items():
+                for label, res in results.items():
                     res["sfi"] = _sfi_summary(res.get("sfi"))
-                    data["records"].append({
-                        "model": llm.model_path.name, "task": case.task, "context": case.context,
-                        "case_id": case.case_id, "policy": policy, "prompt_tokens": len(tokens), "k_head": k_head,
-                        "n_sink": 4, "n_recent": plan.n_recent,
-                        "budget_share": round((4 + k_head + plan.n_recent) / len(tokens), 4),
-                        "expected": list(case.expected), "meta": case.meta, "commit": commit, **res})
-                    done.add(_key(data["records"][-1]))
+                    policy, k_heads = todo[label]
+                    for k_head in k_heads:
+                        data["records"].append({
+                            "model": llm.model_path.name, "task": case.task, "context": case.context,
+                            "case_id": case.case_id, "policy": policy, "prompt_tokens": len(tokens), "k_head": k_head,
+                            "n_sink": 4, "n_recent": plan.n_recent,
+                            "budget_share": round((4 + k_head + plan.n_recent) / len(tokens), 4),
+                            "expected": list(case.expected), "meta": case.meta, "commit": commit, **copy.deepcopy(res)})
+                        done.add(_key(data["records"][-1]))
                 if path:
                     save(path, data)
                 if not bar.interactive:
