@@ -5,7 +5,7 @@ import re
 import numpy as np
 import pytest
 
-from sfi_gguf.tools.evals import answer_agreement, chain, longdoc, multifact, reasoning
+from sfi_gguf.tools.evals import answer_agreement, chain, long_tasks, longdoc, multifact, reasoning
 from sfi_gguf.tools.evals.report import cadence_table, markdown_table
 from sfi_gguf.tools.evals.runner import LONG_TASKS, Suite, TaskPlan, aggregate, policy_config
 
@@ -21,7 +21,7 @@ LLM = WordTokenizer()
 
 
 def test_the_tasks_share_one_seeded_document_holding_every_plant():
-    by_task = {m.TASK: m.make_cases(LLM, 3000, 2) for m in LONG_TASKS}
+    by_task = {m.TASK: long_tasks.make_cases(m.TASK, LLM, 3000, 2) for m in LONG_TASKS}
     for i in range(2):
         docs = {cases[i].document for cases in by_task.values()}
         assert len(docs) == 1  # one prefill serves every task of a case
@@ -33,14 +33,14 @@ def test_the_tasks_share_one_seeded_document_holding_every_plant():
         for n in by_task["reasoning"][i].meta["numbers"]:
             assert f" {n} " in doc
     assert by_task["multifact"][0].document != by_task["multifact"][1].document
-    again = multifact.make_cases(LLM, 3000, 2)
+    again = long_tasks.make_cases(multifact.TASK, LLM, 3000, 2)
     assert [c.document for c in again] == [c.document for c in by_task["multifact"]]  # seeded
-    assert multifact.make_cases(LLM, 3000, 1, seed=1)[0].document != again[0].document
-    assert multifact.make_cases(LLM, 3000, 1, max_tokens=10)[0].max_tokens == 10
+    assert long_tasks.make_cases(multifact.TASK, LLM, 3000, 1, seed=1)[0].document != again[0].document
+    assert long_tasks.make_cases(multifact.TASK, LLM, 3000, 1, max_tokens=10)[0].max_tokens == 10
 
 
 def test_multifact_facts_are_spread_and_scored_per_fact():
-    (case,) = multifact.make_cases(LLM, 4000, 1)
+    (case,) = long_tasks.make_cases(multifact.TASK, LLM, 4000, 1)
     depths = case.meta["depths"]
     assert len(depths) == multifact.N_FACTS and depths == sorted(depths)
     assert depths[0] < 1 / multifact.N_FACTS and depths[-1] > 1 - 1 / multifact.N_FACTS  # one per slice
@@ -56,7 +56,7 @@ def test_multifact_facts_are_spread_and_scored_per_fact():
 
 
 def test_chain_is_scored_hop_by_hop():
-    (case,) = chain.make_cases(LLM, 4000, 1)
+    (case,) = long_tasks.make_cases(chain.TASK, LLM, 4000, 1)
     names, value = case.meta["names"], case.meta["value"]
     assert len(names) == chain.N_HOPS + 1 and case.answer_prefix == f"VAR {names[-1]} = VAR"
     assert case.meta["distractor_value"] in case.document
@@ -69,7 +69,7 @@ def test_chain_is_scored_hop_by_hop():
 
 
 def test_reasoning_numbers_lie_far_apart_and_the_answer_is_computed():
-    cases = reasoning.make_cases(LLM, 4000, 4)
+    cases = long_tasks.make_cases(reasoning.TASK, LLM, 4000, 4)
     for case in cases:
         d = case.meta["depths"]
         assert len(d) == 3 and d[0] < 0.35 and 0.35 < d[1] < 0.65 and d[2] > 0.65

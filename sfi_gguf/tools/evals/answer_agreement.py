@@ -31,11 +31,6 @@ def plant(rng: random.Random) -> longdoc.Plant:
     return longdoc.Plant(facts=[], question=QUESTIONS[rng.randrange(len(QUESTIONS))], max_tokens=N_STEPS)
 
 
-def make_cases(llm, context: int, n_cases: int, seed: int = 0, max_tokens: int | None = None) -> list[Case]:
-    return longdoc.cases(llm, TASK, context, n_cases, seed, max_tokens)
-
-
-prompt_tokens = longdoc.prompt_tokens
 
 
 def first_divergence(top1: np.ndarray) -> int:

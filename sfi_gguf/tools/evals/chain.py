@@ -38,11 +38,6 @@ def plant(rng: random.Random, n_hops: int = N_HOPS) -> longdoc.Plant:
         meta={"names": names, "value": value, "distractor_value": other})
 
 
-def make_cases(llm, context: int, n_cases: int, seed: int = 0, max_tokens: int | None = None) -> list[Case]:
-    return longdoc.cases(llm, TASK, context, n_cases, seed, max_tokens)
-
-
-prompt_tokens = longdoc.prompt_tokens
 
 
 def score(case: Case, text: str) -> float:

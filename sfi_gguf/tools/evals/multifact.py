@@ -44,11 +44,6 @@ def plant(rng: random.Random, n_facts: int = N_FACTS) -> longdoc.Plant:
         meta={"keys": asked, "codes": codes})
 
 
-def make_cases(llm, context: int, n_cases: int, seed: int = 0, max_tokens: int | None = None) -> list[Case]:
-    return longdoc.cases(llm, TASK, context, n_cases, seed, max_tokens)
-
-
-prompt_tokens = longdoc.prompt_tokens
 
 
 def answers(case: Case, text: str) -> dict[str, str | None]:

@@ -65,11 +65,6 @@ def plant(rng: random.Random) -> longdoc.Plant:
         meta={"numbers": [a, b, c], "subject": name})
 
 
-def make_cases(llm, context: int, n_cases: int, seed: int = 0, max_tokens: int | None = None) -> list[Case]:
-    return longdoc.cases(llm, TASK, context, n_cases, seed, max_tokens)
-
-
-prompt_tokens = longdoc.prompt_tokens
 
 
 def score(case: Case, text: str) -> float:

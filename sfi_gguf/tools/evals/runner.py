@@ -27,7 +27,7 @@ import numpy as np
 from ..._progress import Progress
 from ...config import K_HEAD_GRANULE, SFIConfig
 from ..provenance import git_commit
-from . import answer_agreement, chain, common, cot, longgen, multifact, needle, reasoning, variables
+from . import answer_agreement, common, cot, long_tasks, longgen, needle, variables
 
 POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
 #: trigger variants compared with the default one: eval name -> (policy, its parameters)
@@ -37,7 +37,7 @@ VARIANTS = {
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "paper", "fixed", "fixed16", "static", "sink_recent")
-LONG_TASKS = (multifact, chain, reasoning, answer_agreement)  # questions on one shared document (`longdoc`)
+LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
 REPO = Path(__file__).resolve().parents[3]
@@ -237,6 +237,8 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
                 n_cases = min(plan.cases_at(i), max_cases) if max_cases else plan.cases_at(i)
                 if task == cot.TASK:
                     cases = module.make_cases(llm, n_cases, **plan.options)
+                elif module in LONG_TASKS:
+                    cases = long_tasks.make_cases(task, llm, context, n_cases, **plan.options)
                 else:
                     cases = module.make_cases(llm, context, n_cases, **plan.options)
                 work += [(module, plan, case) for case in cases]
