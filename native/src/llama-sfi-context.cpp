@@ -65,7 +65,7 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
     }
 
     // the tokens of a dense step do not go to the tail: the views of its streams are stale (their selections'
-    // rows stay, for the layers a refresh of one group keeps)
+    // rows stay, for the layers a refresh of one group keeps; once written, the step's exports may replace them)
     for (size_t s = 0; s < n_tokens.size(); ++s) {
         if (n_tokens[s] > 0) {
             resolve(s);
@@ -122,9 +122,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     const uint32_t n_tps = ubatch.n_tokens/ns;
 
     for (int64_t j = 0; j < ns; ++j) {
-        const uint32_t st = view->stream_of(ubatch.seq_id[j*n_tps][0]);
-        resolve(st);
-        exports[st] = llama_sfi_export();
+        exports[view->stream_of(ubatch.seq_id[j*n_tps][0])] = llama_sfi_export();
     }
 
     // slow steps are rare: wait for the graph, then copy synchronously, one copy per layer and kind
@@ -204,13 +202,10 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     bool any_kept = false;
 
     for (int64_t j = 0; j < ns; ++j) {
-        const uint32_t s = view->stream_of(ubatch.seq_id[j*n_tps][0]);
-
-        resolve(s); // the rows of the stream's selection: the layers not refreshed keep theirs
-
-        auto & ex = exports[s];
+        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
 
         ex = llama_sfi_export();
+        ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
         ex.picks.assign(n_layers*n_head_kv*n_sel, -1); // -1: a layer not refreshed
         ex.cells.assign(n_layers*n_cand, -1);
     }
@@ -234,9 +229,6 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
                 if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
                     kept[j] = false;
                     continue;
-                }
-                if (ex.selection.empty()) {
-                    ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
                 }
                 for (size_t h = 0; h < n_head_kv; ++h) {
                     std::copy_n(st.sel.begin() + (i*n_head_kv + h)*st.n_sel, n_sel, ex.selection.begin() + (i*n_head_kv + h)*n_sel);
@@ -280,10 +272,6 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
         auto & ex = exports[s];
         auto & st = view->streams[s];
-
-        if (ex.selection.empty()) {
-            ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
-        }
 
         ex.seq      = seq;
         ex.range    = llama_sfi_selector_range(*view, seq);
