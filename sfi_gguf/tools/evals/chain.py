@@ -11,7 +11,7 @@ import random
 
 from . import longdoc
 from .common import Case
-from .variables import _chain, items
+from .variables import items, plant_chains
 
 TASK = "chain"
 N_HOPS = 3
@@ -19,17 +19,12 @@ TOKENS_PER_HOP = 6      # " VAR ABCDE =" is 4-5 tokens
 
 
 def plant(rng: random.Random, n_hops: int = N_HOPS) -> longdoc.Plant:
-    taken: set[str] = set()
-    value, other = (str(rng.randrange(10_000, 100_000)) for _ in range(2))
-    chain = _chain(rng, taken, value, n_hops)
-    noise = _chain(rng, taken, other, n_hops)
     # the chain in document order (a hop's assignment after the one it names), the distractor anywhere
-    spots = sorted(rng.uniform(0.05, 0.95) for _ in chain)
-    noise_spots = sorted(rng.uniform(0.05, 0.95) for _ in noise)
-    names = [name for name, _ in chain]
+    planted = plant_chains(rng, n_hops)
+    names, value, other = planted.names, planted.value, planted.other
     last = names[-1]
     return longdoc.Plant(
-        facts=[(d, line) for d, (_, line) in zip(spots, chain)] + [(d, line) for d, (_, line) in zip(noise_spots, noise)],
+        facts=planted.facts,
         question=(f"What is the value of VAR {last}? Follow the assignments in the text above from variable to "
                   f"variable until you reach a number, and write the whole chain on one line: "
                   f"VAR {last} = VAR ... = number."),

@@ -56,6 +56,29 @@ def _chain(rng: random.Random, taken: set[str], value: str, n_hops: int) -> list
     return lines
 
 
+@dataclasses.dataclass(frozen=True)
+class PlantedChain:
+    """A chain of `n_hops` assignments ending on `value` and a distractor chain ending on `other`, each
+    assignment at a depth (share of the document; a chain's hops in document order)."""
+
+    names: list[str]   # the chain's variables, the first one assigned the value
+    value: str
+    other: str
+    spots: list[float]  # the chain's depths
+    facts: list[tuple[float, str]]  # (depth, sentence) of both chains
+
+
+def plant_chains(rng: random.Random, n_hops: int) -> PlantedChain:
+    taken: set[str] = set()
+    value, other = (str(rng.randrange(10_000, 100_000)) for _ in range(2))
+    chain = _chain(rng, taken, value, n_hops)
+    noise = _chain(rng, taken, other, n_hops)
+    spots = sorted(rng.uniform(0.05, 0.95) for _ in chain)
+    noise_spots = sorted(rng.uniform(0.05, 0.95) for _ in noise)
+    facts = [(d, line) for d, (_, line) in zip(spots, chain)] + [(d, line) for d, (_, line) in zip(noise_spots, noise)]
+    return PlantedChain(names=[name for name, _ in chain], value=value, other=other, spots=spots, facts=facts)
+
+
 def make_cases(llm, context: int, n_cases: int, seed: int = 0, n_hops: int = 2) -> list[Case]:
     """`n_cases` chains of `n_hops` hops (n_hops + 1 variables) in about `context` prompt tokens.
 
@@ -67,16 +90,9 @@ def make_cases(llm, context: int, n_cases: int, seed: int = 0, n_hops: int = 2) 
     chat = hasattr(llm, "context") and common.is_chat_model(llm)
     cases = []
     for i in range(n_cases):
-        rng = random.Random(f"{TASK}/{context}/{seed}/{i}")
-        taken: set[str] = set()
-        value, other = (str(rng.randrange(10_000, 100_000)) for _ in range(2))
-        chain = _chain(rng, taken, value, n_hops)
-        noise = _chain(rng, taken, other, n_hops)
-        spots = sorted(rng.uniform(0.05, 0.95) for _ in chain)
-        noise_spots = sorted(rng.uniform(0.05, 0.95) for _ in noise)
-        facts = [(d, line) for d, (_, line) in zip(spots, chain)] + [(d, line) for d, (_, line) in zip(noise_spots, noise)]
-        document, realised = insert_at_depths(sentences, sorted(facts, key=lambda f: f[0]))
-        names = [name for name, _ in chain]
+        planted = plant_chains(random.Random(f"{TASK}/{context}/{seed}/{i}"), n_hops)
+        names, value, other, spots = planted.names, planted.value, planted.other, planted.spots
+        document, realised = insert_at_depths(sentences, sorted(planted.facts, key=lambda f: f[0]))
         last = names[-1]
         cases.append(Case(
             task=TASK, case_id=f"{context}-{seed}-{i}", context=context, document=document,
