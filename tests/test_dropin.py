@@ -67,6 +67,16 @@ def test_greedy_completion_equals_sfillama(llm, ref):
     assert ours["usage"] == theirs["usage"]
 
 
+def test_plain_greedy_sample_is_llama_cpps_greedy_token(llm, monkeypatch):
+    # the argmax in place picks what llama-cpp-python's sampler chain picks, without running the chain
+    llm.create_completion(PROMPT, max_tokens=4, temperature=0)
+    chain = llama_cpp.Llama.sample(llm, temp=0.0)
+    monkeypatch.setattr(llama_cpp.Llama, "sample", lambda *a, **k: pytest.fail("the chain ran"))
+    assert llm.sample(temp=0.0) == chain
+    with pytest.raises(pytest.fail.Exception):
+        llm.sample(temp=0.0, repeat_penalty=1.1)  # a penalty: the chain samples
+
+
 def test_stream_is_the_same_text(llm):
     whole = llm.create_completion(PROMPT, max_tokens=16, temperature=0)["choices"][0]["text"]
     pieces = [c["choices"][0]["text"] for c in llm.create_completion(PROMPT, max_tokens=16, temperature=0, stream=True)]

@@ -201,13 +201,18 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
     bool any_kept = false;
 
+    // picks that are cell ids (res.sel_cells) go to the selection as they are, with nothing to map
+    const bool ids = res.sel_cells;
+
     for (int64_t j = 0; j < ns; ++j) {
         auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
 
         ex = llama_sfi_export();
         ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
-        ex.picks.assign(n_layers*n_head_kv*n_sel, -1); // -1: a layer not refreshed
         ex.cells.assign(n_layers*n_cand, -1);
+        if (!ids) {
+            ex.picks.assign(n_layers*n_head_kv*n_sel, -1); // -1: a layer not refreshed
+        }
     }
 
     // t_sfi_sel[i] and t_sfi_cells[i]: the outputs of layer i's run of layers, layer-major (pair b = l*ns + j,
@@ -257,10 +262,11 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
             std::copy(cells.begin() + b*n_cand, cells.begin() + (b + 1)*n_cand, ex.cells.begin() + i*n_cand);
 
+            auto & dst = ids ? ex.selection : ex.picks;
             for (size_t h = 0; h < n_head_kv; ++h) {
                 // a layer with fewer KV heads repeats its first head's cells (never read)
                 const int32_t * src = picks.data() + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
-                std::copy_n(src, n_sel, ex.picks.begin() + (i*n_head_kv + h)*n_sel);
+                std::copy_n(src, n_sel, dst.begin() + (i*n_head_kv + h)*n_sel);
             }
         }
         ++l;
@@ -314,7 +320,8 @@ void llama_sfi_context::map_selection(uint32_t s) {
         return;
     }
 
-    for (size_t i = 0; i < n_layers; ++i) {
+    // picks into the candidates (none when the step left cell ids)
+    for (size_t i = 0; i < n_layers && !ex.picks.empty(); ++i) {
         const int32_t * cells = ex.cells.data() + i*n_cand;
         for (size_t h = 0; h < n_head_kv; ++h) {
             const int32_t * src = ex.picks.data()     + (i*n_head_kv + h)*n_sel;
@@ -334,10 +341,15 @@ void llama_sfi_context::map_selection(uint32_t s) {
     const auto & kv_cells = view->kv.get_cells(ex.seq);
     const auto   in_range = llama_sfi_cells_holding(kv_cells, ex.seq, ex.range.first, ex.range.second);
 
-    bool ok = ex.n_edits == view->streams[s].n_edits;
+    // every cell checked, without a branch per cell (a bad one is rare)
+    const uint32_t n_cells = in_range.size();
+
+    uint8_t bad = 0;
     for (const int32_t c : ex.selection) {
-        ok = ok && in_range[c] != 0;
+        bad |= (uint32_t) c < n_cells ? in_range[c] ^ 1 : 1;
     }
+
+    const bool ok = ex.n_edits == view->streams[s].n_edits && bad == 0;
 
     if (!ok) {
         ex.selection.clear();

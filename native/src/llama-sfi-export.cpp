@@ -256,14 +256,6 @@ void llama_sfi_build_export(
     // the device Selector runs in this graph (llama_sfi_build_inputs gave it its inputs)
     const bool selects = inp.sel_mask && view.params.evidence_alpha > 0.0f;
 
-    // the key norms of every cell; every layer takes those of the cells written since, refreshed or not (they are
-    // taken per stream)
-    ggml_tensor * kn = view.params.export_key_norms ? llama_sfi_key_norms(ctx, gf, view, inp, il, plan->streams[0], ns) : nullptr;
-
-    if (selects && !view.refreshes(i)) {
-        return;
-    }
-
     // the same scores as flash attention: q of the last n_rows tokens of each stream against its (padded) cache,
     // scaled before the product; the GQA group's query heads (h = h_kv*n_gqa + g) and the rows are the columns of
     // one product per KV head: a product broadcast over the query heads reads a KV head's keys once per query head
@@ -284,7 +276,7 @@ void llama_sfi_build_export(
         ts->resize(n_layers, nullptr);
     }
 
-    const llama_sfi_layer_export ex = {
+    llama_sfi_layer_export ex = {
         /*.ctx       =*/ ctx,
         /*.gf        =*/ gf,
         /*.view      =*/ view,
@@ -306,8 +298,23 @@ void llama_sfi_build_export(
         /*.k         =*/ k,
         /*.mask      =*/ mask,
         /*.sinks     =*/ sinks,
-        /*.kn        =*/ kn,
+        /*.kn        =*/ nullptr,
     };
+
+    // the key norms of every cell; every layer takes those of the cells written since, refreshed or not (they are
+    // taken per stream), unless the device Selector takes them from its evidence op, which reads every key anyway
+    const bool fused = selects && llama_sfi_selector_fused(ex);
+    if (selects ? !fused : view.params.export_key_norms) {
+        ex.kn = llama_sfi_key_norms(ctx, gf, view, inp, il, plan->streams[0], ns);
+    }
+    if (selects) {
+        // the first layer's verdict, unless a later one keeps its own (graphs are built layer by layer)
+        plan->view.selector_own_key_norms = (i > 0 && view.selector_own_key_norms) || !fused;
+    }
+
+    if (selects && !view.refreshes(i)) {
+        return;
+    }
 
     if (selects) {
         llama_sfi_build_selection(ex);

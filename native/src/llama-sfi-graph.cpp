@@ -438,20 +438,14 @@ void llama_sfi_build_load(
         const llama_sfi_view & view,
         const llama_sfi_graph_input  & inp,
             uint32_t   s0,
-         ggml_tensor * cells,
-         ggml_tensor * picks,
+         ggml_tensor * own,
         const std::vector<size_t> & refreshed,
               size_t   first,
               size_t   last) {
-    const int64_t n_cand   = cells->ne[0];
-    const int64_t k_head   = picks->ne[0];
-    const int64_t h        = picks->ne[1];
-    const int64_t nb       = picks->ne[2];
+    const int64_t k_head   = own->ne[0];
+    const int64_t h        = own->ne[1];
     const int64_t ns       = inp.shared->ne[2];
     const int64_t n_shared = inp.shared->ne[0];
-
-    ggml_tensor * own = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, n_cand, nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));
-    own = ggml_reshape_3d(ctx, own, k_head, h, nb); // I32 cell ids
 
     ggml_tensor * own_slots    = ggml_view_1d(ctx, inp.sel_slots, k_head, 0);
     ggml_tensor * shared_slots = ggml_view_1d(ctx, inp.sel_slots, n_shared, k_head*inp.sel_slots->nb[0]);

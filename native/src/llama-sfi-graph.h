@@ -48,15 +48,17 @@ struct llama_sfi_graph_result {
     std::vector<ggml_tensor *> evidence;
     std::vector<ggml_tensor *> key_norms;
     std::vector<ggml_tensor *> cells;
-    std::vector<ggml_tensor *> sel;  // I32 [k_head, n_head_kv, n*ns]: the device Selector's picks (indices into cells)
-                                     //   for this layer and the n - 1 after it (nullptr: an earlier entry has them)
+    std::vector<ggml_tensor *> sel;  // I32 [k_head, n_head_kv, n*ns]: the device Selector's picks (indices into cells,
+                                     //   or cell ids: sel_cells) for this layer and the n - 1 after it (nullptr: an
+                                     //   earlier entry has them)
 
     std::vector<ggml_tensor *> sel_q;     // while the graph is built: each layer's scaled queries, keys,
     std::vector<ggml_tensor *> sel_k;     //   sinks and key norms per cell, from which the Selector takes
     std::vector<ggml_tensor *> sel_sinks; //   its scores after the last layer
     std::vector<ggml_tensor *> sel_kn;
 
-    bool gathered = false; // SLOW: the graph gathered the device Selector's selection into the view
+    bool gathered  = false; // SLOW: the graph gathered the device Selector's selection into the view ...
+    bool sel_cells = false; // ... and sel holds the cell ids it gathered (the host maps no picks)
 
     ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
 };
@@ -78,17 +80,16 @@ void llama_sfi_build_store(
                  int   il);
 
 // SLOW with the device Selector: gather the selection of the layers refreshed[first..last) for the streams s0 ..
-// s0+ns-1 (their run of the Selector: cells [n_cand, nb], picks [k_head, n_head_kv, nb], pair b = rank*ns + stream) into the view: each row's
-// own cells cells[picks] into slots 0 .. k_head-1, the shared ones (inp.shared) after them; the step wrote its own
-// token's K/V to the cache before (every layer's store precedes the Selector)
+// s0+ns-1 (their run of the Selector: own I32 [k_head, n_head_kv, nb] the cells it chose, pair b = rank*ns + stream)
+// into the view: each row's own cells into slots 0 .. k_head-1, the shared ones (inp.shared) after them; the step
+// wrote its own token's K/V to the cache before (every layer's store precedes the Selector)
 void llama_sfi_build_load(
         ggml_context * ctx,
          ggml_cgraph * gf,
         const llama_sfi_view & view,
         const llama_sfi_graph_input  & inp,
             uint32_t   s0,
-         ggml_tensor * cells,
-         ggml_tensor * picks,
+         ggml_tensor * own,
         const std::vector<size_t> & refreshed,
               size_t   first,
               size_t   last);

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 // the device Selector's softmaxes take at least this many rows at a time (layers stacked): a softmax runs
 // one row per GPU block, and one layer's rows (one per head) keep most of a GPU's multiprocessors idle
@@ -77,11 +78,12 @@ static ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k,
     return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
 }
 
-// the evidence [n_kv, 1, n_head_kv, n*ns] of n layers as ggml_sfi_evidence ops: qs[l] the layers' scaled queries
-// [n_embd_head, n_q, n_head_kv, ns], k4 the keys of all n as [n_embd_head, n_kv, n_head_kv, n] (one op; ns 1) or
-// nullptr, ks[l] then each layer's [n_embd_head, n_head_kv, n_kv, ns] (one op per layer); nullptr when the backend of
-// the keys lacks the op
-static ggml_tensor * llama_sfi_selector_evidence_fused(
+// the evidence [n_kv, 1, n_head_kv, n*ns] and the key norms [n_head_kv, n_kv, n*ns] of n layers as ggml_sfi_evidence
+// ops: qs[l] the layers' scaled queries [n_embd_head, n_q, n_head_kv, ns], k4 the keys of all n as
+// [n_embd_head, n_kv, n_head_kv, n] (one op; ns 1) or nullptr, ks[l] each layer's [n_embd_head, n_head_kv, n_kv, ns]
+// (one op per layer, where the backend lacks the op of all n); { nullptr, nullptr } when the backend of the keys
+// lacks the op (llama_sfi_selector_fused said so for each layer)
+static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_evidence_fused(
         const llama_sfi_layer_export & ex,
         const std::vector<ggml_tensor *> & qs,
          ggml_tensor * k4,
@@ -91,29 +93,46 @@ static ggml_tensor * llama_sfi_selector_evidence_fused(
 
     const float alpha = ex.view.params.evidence_alpha;
 
-    std::vector<ggml_tensor *> evids;
+    std::vector<ggml_tensor *> ops;
     if (k4) {
-        evids.push_back(ggml_sfi_evidence(ctx, llama_sfi_stack(ctx, qs, 3), k4, ex.mask, ex.n_rows, alpha, ex.cap));
-    } else {
+        ops.push_back(ggml_sfi_evidence(ctx, llama_sfi_stack(ctx, qs, 3), k4, ex.mask, ex.n_rows, alpha, ex.cap, true));
+    }
+    if (ops.empty() || !llama_sfi_backend_runs(ops[0], storage)) {
+        ops.clear();
         for (size_t l = 0; l < qs.size(); ++l) {
-            evids.push_back(ggml_sfi_evidence(ctx, qs[l], ggml_permute(ctx, ks[l], 0, 2, 1, 3), ex.mask, ex.n_rows, alpha, ex.cap));
+            ops.push_back(ggml_sfi_evidence(ctx, qs[l], ggml_permute(ctx, ks[l], 0, 2, 1, 3), ex.mask, ex.n_rows, alpha, ex.cap, true));
+        }
+        if (!llama_sfi_backend_runs(ops[0], storage)) {
+            return { nullptr, nullptr };
         }
     }
-    if (!llama_sfi_backend_runs(evids[0], storage)) {
-        return nullptr;
+
+    std::vector<ggml_tensor *> evids;
+    std::vector<ggml_tensor *> norms;
+    for (ggml_tensor * op : ops) {
+        ggml_tensor * e = ggml_sfi_evidence_values(ctx, op);
+        evids.push_back(ggml_reshape_4d(ctx, e, e->ne[0], 1, e->ne[1], e->ne[2]));
+        norms.push_back(ggml_sfi_evidence_key_norms(ctx, op));
     }
-    for (ggml_tensor *& e : evids) {
-        e = ggml_reshape_4d(ctx, e, e->ne[0], 1, e->ne[1], e->ne[2]);
+    return { llama_sfi_stack(ctx, evids, 3), llama_sfi_stack(ctx, norms, 2) };
+}
+
+bool llama_sfi_selector_fused(const llama_sfi_layer_export & ex) {
+    if (ex.sinks || ex.max_bias != 0.0f) {
+        return false;
     }
-    return llama_sfi_stack(ctx, evids, 3);
+    ggml_tensor * op = ggml_sfi_evidence(ex.ctx, ex.q, ggml_permute(ex.ctx, ex.k, 0, 2, 1, 3), ex.mask, ex.n_rows,
+            ex.view.params.evidence_alpha, ex.cap, true);
+    return llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il));
 }
 
 // the SFI Selector (sfi_gguf/selector.py, SFISelector) over the evidence of n layers of the same shape, for
 // every stream of the ubatch, as one set of ops on the layers stacked (layer-major: batch b = layer*ns + stream):
 // per layer ops were thousands of small kernels, and softmaxes and sums over a few long rows used a few
 // multiprocessors of a GPU
-//   evid [n_kv, 1, n_head_kv, n*ns] (sum_r p_r^alpha, llama_sfi_selector_evidence), kns[l] the layers' key norms
-//   [n_head_kv, kv_size, ns] (llama_sfi_layer_export::kn)
+//   evid [n_kv, 1, n_head_kv, n*ns] (sum_r p_r^alpha, llama_sfi_selector_evidence), and the key norms: kn
+//   [n_head_kv, n_kv, n*ns] of the stacked layers (ggml_sfi_evidence's), else kns[l] the layers' [n_head_kv, kv_size, ns]
+//   (llama_sfi_layer_export::kn)
 //   returns the candidate cells I32 [n_cand, n*ns] and the picks I32 [k_head, n_head_kv, n*ns] (indices into them),
 //   both chosen by a selection where the backend of the keys (storage) has ggml_sfi_top_k
 static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
@@ -121,6 +140,7 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         const llama_sfi_view & view,
         const llama_sfi_graph_input & inp,
          ggml_tensor * evid,
+         ggml_tensor * kn_stacked,
         const std::vector<ggml_tensor *> & kns,
              int64_t   n_cand,
              int64_t   n_rows,
@@ -129,11 +149,12 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
 
     const int64_t n_kv      = evid->ne[0];
     const int64_t n_head_kv = evid->ne[2];
-    const int64_t ns        = kns[0]->ne[2];
     const int64_t nb        = evid->ne[3]; // (layer, stream) pairs
 
     // the range mask broadcasts over the layers (b % ns); the relative positions are gathered per pair
     ggml_tensor * mask = inp.sel_mask;
+
+    const int64_t ns = mask->ne[3];
 
     auto per_pair = [&](ggml_tensor * t) { // [n, n_kv, ns] -> [n, n_kv, nb]
         return nb == ns ? t : ggml_repeat_4d(ctx, t, t->ne[0], n_kv, nb, 1);
@@ -173,13 +194,20 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     ggml_tensor * fc = vals_rows(0, n_head_kv);
     fc = ggml_div(ctx, fc, ggml_sum_rows(ctx, fc));
 
-    // structural prior r ~ ||K||^e delta(u)^w_pos; the key norms come from each layer's norms per cell
-    std::vector<ggml_tensor *> norms;
-    for (size_t l = 0; l < kns.size(); ++l) {
-        ggml_tensor * cells_l = ggml_view_2d(ctx, cells, n_cand, ns, cells->nb[1], l*ns*cells->nb[1]);
-        norms.push_back(llama_sfi_key_norms_at(ctx, kns[l], cells_l));
+    // structural prior r ~ ||K||^e delta(u)^w_pos; the key norms of the candidates, of the layers at once or layer by
+    // layer
+    ggml_tensor * kn = nullptr;
+    if (kn_stacked) {
+        kn = llama_sfi_key_norms_at(ctx, kn_stacked, cells);
+    } else {
+        std::vector<ggml_tensor *> norms;
+        for (size_t l = 0; l < kns.size(); ++l) {
+            GGML_ASSERT(kns[l]);
+            ggml_tensor * cells_l = ggml_view_2d(ctx, cells, n_cand, ns, cells->nb[1], l*ns*cells->nb[1]);
+            norms.push_back(llama_sfi_key_norms_at(ctx, kns[l], cells_l));
+        }
+        kn = llama_sfi_stack(ctx, norms, 2);
     }
-    ggml_tensor * kn = llama_sfi_stack(ctx, norms, 2);
 
     // position prior w_pos*(-pos_beta*u^pos_power + pos_eta*log(1 - u)) of the candidates, -inf outside the range
     ggml_tensor * u      = vals_rows(n_head_kv, 1);
@@ -239,8 +267,11 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
     }
 
     for (size_t first = 0, last; first < refreshed.size(); first = last) {
-        const int64_t h = res.sel_kn[refreshed[first]]->ne[0];
-        for (last = first + 1; last < refreshed.size() && res.sel_kn[refreshed[last]]->ne[0] == h; ++last) {}
+        // a run: layers of as many KV heads, all with the fused evidence op or all without (their own key norms)
+        const int64_t h     = res.sel_k[refreshed[first]]->ne[1];
+        const bool    fused = res.sel_kn[refreshed[first]] == nullptr;
+        for (last = first + 1; last < refreshed.size() && res.sel_k[refreshed[last]]->ne[1] == h &&
+                (res.sel_kn[refreshed[last]] == nullptr) == fused; ++last) {}
 
         std::vector<ggml_tensor *> sinks_run;
         std::vector<ggml_tensor *> kns;
@@ -289,21 +320,36 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
 
         const ggml_tensor * q0 = res.sel_q[refreshed[first]];
 
-        // the layers share the cache's mask; the fused op where the keys' backend has it (no sinks, no ALiBi)
+        // the layers share the cache's mask; the fused op where the keys' backend has it (no sinks, no ALiBi: the
+        // layers then kept no key norms, see llama_sfi_selector_fused)
         ggml_tensor * evid = nullptr;
-        if (std::none_of(sinks_run.begin(), sinks_run.end(), [](const ggml_tensor * t) { return t != nullptr; }) &&
-                ex.max_bias == 0.0f) {
+        ggml_tensor * kn   = nullptr;
+        if (fused) {
             std::vector<ggml_tensor *> qs;
             std::vector<ggml_tensor *> ks;
             ggml_tensor * k4 = layers_of(0, last - first, qs, ks);
-            evid = llama_sfi_selector_evidence_fused(ex, qs, k4, ks, view.cache_k_of(view.layers[refreshed[first]].il));
-        }
-        if (!evid) {
+            std::tie(evid, kn) = llama_sfi_selector_evidence_fused(ex, qs, k4, ks, view.cache_k_of(view.layers[refreshed[first]].il));
+            GGML_ASSERT(evid && kn);
+        } else {
             evid = llama_sfi_selector_evidence(ex, last - first, q0->ne[1]*q0->ne[2]*q0->ne[3], scores, sinks_run, h);
         }
 
-        const auto [cells, picks] = llama_sfi_selector_picks(ctx, view, ex.inp, evid, kns, ex.n_cand, ex.n_rows*(ex.n_head/ex.n_head_kv),
+        auto [cells, picks] = llama_sfi_selector_picks(ctx, view, ex.inp, evid, kn, kns, ex.n_cand, ex.n_rows*(ex.n_head/ex.n_head_kv),
                 view.cache_k_of(view.layers[refreshed[first]].il));
+
+        if (ex.inp.shared) {
+            // the cells of the picks, which the gather reads: the host then copies them as they are
+            const int64_t k_head = picks->ne[0];
+            const int64_t h      = picks->ne[1];
+            const int64_t nb     = picks->ne[2];
+
+            picks = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, cells->ne[0], nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));
+            picks = ggml_reshape_3d(ctx, picks, k_head, h, nb);
+
+            llama_sfi_build_load(ctx, ex.gf, view, ex.inp, ex.s0, picks, refreshed, first, last);
+            res.gathered  = true;
+            res.sel_cells = true;
+        }
 
         for (ggml_tensor * t : { cells, picks }) {
             ggml_format_name(t, "%s-%zu", t == cells ? "sfi_cells" : "sfi_sel", refreshed[first]);
@@ -313,11 +359,6 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
         for (size_t j = first; j < last; ++j) {
             res.cells[refreshed[j]] = cells;
             res.sel[refreshed[j]]   = picks;
-        }
-
-        if (ex.inp.shared) {
-            llama_sfi_build_load(ctx, ex.gf, view, ex.inp, ex.s0, cells, picks, refreshed, first, last);
-            res.gathered = true;
         }
     }
 }

@@ -419,8 +419,11 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
         view.note_written(sinfo.strm[j], sinfo.idxs[j]);
     }
 
+    // the device Selector's evidence op may give every norm it reads (then no layer keeps its own)
+    const bool selects = view.n_candidates > 0 && view.selects(std::min<int64_t>(view.n_candidates, n_kv));
+
     kn_cells.clear();
-    if (exporting && view.params.export_key_norms) {
+    if (exporting && (selects ? view.selector_own_key_norms : view.params.export_key_norms)) {
         const int64_t size = view.kv.get_size();
 
         for (const uint32_t s : streams) {
@@ -516,10 +519,6 @@ void llama_sfi_view::store_rows(stream & st, const int32_t * cells, int32_t n_ow
     const int32_t n_head_kv = n_head_kv_max;
     const int64_t n_sel     = (int64_t) n_own + n_shared;
 
-    auto cell = [&](int64_t r, int64_t j) {
-        return j < n_own ? cells[r*n_own + j] : shared[j - n_own];
-    };
-
     // support stability: own cells of each row the previous selection's row had
     st.overlap = -1.0f;
     if (prev_n_own > 0 && n_own > 0 && st.sel.size() == (size_t) n_layers*n_head_kv*prev_n_sel) {
@@ -554,9 +553,8 @@ void llama_sfi_view::store_rows(stream & st, const int32_t * cells, int32_t n_ow
             const int64_t src = (int64_t) i*n_head_kv + (h < layers[i].n_head_kv ? h : 0);
 
             int32_t * dst = st.sel.data() + ((size_t) i*n_head_kv + h)*n_sel;
-            for (int64_t j = 0; j < n_sel; ++j) {
-                dst[j] = cell(src, j);
-            }
+            std::copy_n(cells + src*n_own, n_own, dst);
+            std::copy_n(shared, n_shared, dst + n_own);
         }
     }
 }

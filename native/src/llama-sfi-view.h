@@ -114,6 +114,10 @@ struct llama_sfi_view {
     llama_sfi_selector_params selector = {}; // SLOW with candidates: the device Selector (k_head 0: none)
     uint32_t selector_gen = 0;               // bumped by every llama_sfi_set_selector (its values are in the graph)
 
+    // SLOW with the Selector: some layer keeps key norms of its own (layer::kn); false once a slow graph's Selector
+    // took every layer's from its evidence op (llama_sfi_selector_fused), so that such steps take none
+    bool selector_own_key_norms = true;
+
     int32_t refresh_groups = 1; // SLOW with the Selector: refresh the layers i % refresh_groups == refresh_group
     int32_t refresh_group  = 0;
 

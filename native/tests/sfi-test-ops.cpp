@@ -1,7 +1,8 @@
 // sfi-test-ops: the SFI ggml ops (ggml-sfi.h) on every backend against their definition, in the manner of llama.cpp's
 // test-backend-ops: each case builds its inputs once and runs the op on each backend that supports it.
 // ggml_sfi_evidence is compared by normalised mean squared error with the composite ggml ops it replaces, computed on
-// the CPU (whose products round the queries to the keys' vec_dot type, as its attention does); ggml_sfi_top_k's
+// the CPU (whose products round the queries to the keys' vec_dot type, as its attention does), and its key norms with
+// the norms of the keys' values; ggml_sfi_top_k's
 // indices must equal those of a sort by value and index exactly.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
 // sfi-test-ops perf [n_kv ...] times the op instead, on each backend but the CPU, at a slow step's shape (a Qwen3-4B
@@ -36,12 +37,14 @@ struct evidence_case {
     float      alpha;
     float      softcap;
     bool       transposed_k; // k given as a permuted view of [n_embd, n_head_kv, n_kv, nb], as the cache holds it
+    bool       key_norms = true;
 
     std::string name() const {
         char buf[256];
-        snprintf(buf, sizeof(buf), "sfi_evidence(D=%lld,rows=%lld,gqa=%lld,hkv=%lld,n_kv=%lld,nb=%lld,nm=%lld,k=%s,mask=%s,alpha=%g,cap=%g,perm=%d)",
+        snprintf(buf, sizeof(buf), "sfi_evidence(D=%lld,rows=%lld,gqa=%lld,hkv=%lld,n_kv=%lld,nb=%lld,nm=%lld,k=%s,mask=%s,alpha=%g,cap=%g,perm=%d,norms=%d)",
                 (long long) n_embd, (long long) n_rows, (long long) n_gqa, (long long) n_head_kv, (long long) n_kv,
-                (long long) nb, (long long) nm, ggml_type_name(type_k), ggml_type_name(type_mask), alpha, softcap, transposed_k);
+                (long long) nb, (long long) nm, ggml_type_name(type_k), ggml_type_name(type_mask), alpha, softcap, transposed_k,
+                key_norms);
         return buf;
     }
 };
@@ -161,7 +164,7 @@ static std::vector<float> run(ggml_backend_t backend, const evidence_case & tc, 
         out = ggml_sum_rows(ctx, ggml_cont(ctx, ggml_permute(ctx, p, 1, 0, 2, 3))); // [1, n_kv, n_head_kv, nb]
         out = ggml_reshape_3d(ctx, out, tc.n_kv, tc.n_head_kv, tc.nb);
     } else {
-        out = ggml_sfi_evidence(ctx, q, k, mask, (int) tc.n_rows, tc.alpha, tc.softcap);
+        out = ggml_sfi_evidence(ctx, q, k, mask, (int) tc.n_rows, tc.alpha, tc.softcap, tc.key_norms);
     }
 
     *supported = ggml_backend_supports_op(backend, out);
@@ -217,7 +220,7 @@ static void perf(ggml_backend_t backend, int64_t n_kv) {
     ggml_tensor * q       = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, n_q, n_head_kv, nb);
     ggml_tensor * k_store = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_head_kv, n_kv, nb);
     ggml_tensor * mask    = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);
-    ggml_tensor * out     = ggml_sfi_evidence(ctx, q, ggml_permute(ctx, k_store, 0, 2, 1, 3), mask, 1, 0.5f, 0.0f);
+    ggml_tensor * out     = ggml_sfi_evidence(ctx, q, ggml_permute(ctx, k_store, 0, 2, 1, 3), mask, 1, 0.5f, 0.0f, true);
 
     if (!ggml_backend_supports_op(backend, out)) {
         ggml_free(ctx);
@@ -391,6 +394,8 @@ int main(int argc, char ** argv) {
     cases.push_back({ 128, 1, 4, 8, 1500, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.3f, 0.0f, false });  // other alpha
     cases.push_back({ 256, 1, 2, 4, 600, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 30.0f, false });  // soft-capped scores
     cases.push_back({ 128, 1, 4, 8, 70000, 1, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false }); // long context
+    cases.push_back({ 128, 1, 4, 8, 1000, 3, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true, false }); // no key norms
+    cases.push_back({ 128, 16, 4, 2, 777, 1, 1, GGML_TYPE_Q8_0, GGML_TYPE_F16, 0.5f, 0.0f, false, false });
 
     ggml_backend_t cpu = ggml_backend_init_by_type(GGML_BACKEND_DEVICE_TYPE_CPU, nullptr);
     GGML_ASSERT(cpu);
@@ -414,6 +419,24 @@ int main(int argc, char ** argv) {
         const std::vector<float> ref = run(cpu, tc, in, true, &ok_ref);
         GGML_ASSERT(ok_ref);
 
+        // the key norms by their definition, [n_head_kv, n_kv, nb]: of the keys' values (in.k holds them rounded)
+        std::vector<float> ref_norms;
+        if (tc.key_norms) {
+            ref_norms.resize(tc.n_head_kv*tc.n_kv*tc.nb);
+            for (int64_t b = 0; b < tc.nb; ++b) {
+                for (int64_t h = 0; h < tc.n_head_kv; ++h) {
+                    for (int64_t c = 0; c < tc.n_kv; ++c) {
+                        const float * x = &in.k[((b*tc.n_head_kv + h)*tc.n_kv + c)*tc.n_embd];
+                        double sq = 0.0;
+                        for (int64_t d = 0; d < tc.n_embd; ++d) {
+                            sq += (double) x[d]*x[d];
+                        }
+                        ref_norms[(b*tc.n_kv + c)*tc.n_head_kv + h] = (float) std::sqrt(sq);
+                    }
+                }
+            }
+        }
+
         for (ggml_backend_t backend : backends) {
             bool supported = false;
             const std::vector<float> got = run(backend, tc, in, false, &supported);
@@ -428,12 +451,16 @@ int main(int argc, char ** argv) {
                 continue;
             }
             // the CPU takes the reference's own products; other backends round and sum in their own order
-            const double err = nmse(got, ref);
-            const bool   ok  = err < (backend == cpu ? 1e-10 : 1e-6);
+            const size_t n_evid = ref.size();
+            GGML_ASSERT(got.size() == n_evid + ref_norms.size());
+            const double err    = nmse(std::vector<float>(got.begin(), got.begin() + n_evid), ref);
+            const double err_kn = tc.key_norms ? nmse(std::vector<float>(got.begin() + n_evid, got.end()), ref_norms) : 0.0;
+            const double tol    = backend == cpu ? 1e-10 : 1e-6;
+            const bool   ok     = err < tol && err_kn < tol;
             n_run++;
             n_failed += !ok;
             if (!ok || verbose) {
-                printf("%s %s on %s: nmse %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), name, err);
+                printf("%s %s on %s: nmse %.3g, key norms %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), name, err, err_kn);
             }
         }
     }

@@ -10,7 +10,8 @@ struct ggml_tensor * ggml_sfi_evidence(
         struct ggml_tensor  * mask,
         int                   n_rows,
         float                 alpha,
-        float                 softcap) {
+        float                 softcap,
+        bool                  key_norms) {
     GGML_ASSERT(q->type == GGML_TYPE_F32);
     GGML_ASSERT(mask->type == GGML_TYPE_F16 || mask->type == GGML_TYPE_F32);
     GGML_ASSERT(q->ne[0] == k->ne[0]);
@@ -20,9 +21,9 @@ struct ggml_tensor * ggml_sfi_evidence(
     GGML_ASSERT(q->ne[3] % mask->ne[3] == 0);
     GGML_ASSERT(alpha > 0.0f && softcap >= 0.0f);
 
-    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, k->ne[1], k->ne[2], k->ne[3]);
+    struct ggml_tensor * result = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, k->ne[1], k->ne[2], k->ne[3], key_norms ? 2 : 1);
 
-    int32_t params[3] = { n_rows };
+    int32_t params[4] = { n_rows, 0, 0, key_norms };
     memcpy(params + 1, &alpha,   sizeof(float));
     memcpy(params + 2, &softcap, sizeof(float));
     ggml_set_op_params(result, params, sizeof(params));
@@ -33,6 +34,17 @@ struct ggml_tensor * ggml_sfi_evidence(
     result->src[2] = mask;
 
     return result;
+}
+
+struct ggml_tensor * ggml_sfi_evidence_values(struct ggml_context * ctx, struct ggml_tensor * res) {
+    GGML_ASSERT(res->op == GGML_OP_SFI_EVIDENCE);
+    return ggml_view_3d(ctx, res, res->ne[0], res->ne[1], res->ne[2], res->nb[1], res->nb[2], 0);
+}
+
+struct ggml_tensor * ggml_sfi_evidence_key_norms(struct ggml_context * ctx, struct ggml_tensor * res) {
+    GGML_ASSERT(res->op == GGML_OP_SFI_EVIDENCE && res->ne[3] == 2);
+    const size_t row = res->ne[1]*sizeof(float); // the heads of a cell
+    return ggml_view_3d(ctx, res, res->ne[1], res->ne[0], res->ne[2], row, row*res->ne[0], res->nb[3]);
 }
 
 struct ggml_tensor * ggml_sfi_top_k(

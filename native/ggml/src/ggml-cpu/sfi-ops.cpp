@@ -12,12 +12,14 @@
 #include <cmath>
 #include <cstring>
 
-// per thread: the scores of every query row of one (head, batch) pair, and those rows in the keys' vec_dot type
+// per thread: the scores of every query row of one (head, batch) pair, those rows in the keys' vec_dot type, and a
+// key as F32 (for its norm)
 static size_t sfi_evidence_bytes_per_thread(const ggml_tensor * dst) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
     const ggml_type vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
-    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + ggml_row_size(vec_dot_type, q->ne[0])*q->ne[1], CACHE_LINE_SIZE);
+    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + ggml_row_size(vec_dot_type, q->ne[0])*q->ne[1] + sizeof(float)*q->ne[0],
+            CACHE_LINE_SIZE);
 }
 
 size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
@@ -47,6 +49,7 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
     const int32_t n_rows  = ggml_get_op_params_i32(dst, 0);
     const float   alpha   = ggml_get_op_params_f32(dst, 1);
     const float   softcap = ggml_get_op_params_f32(dst, 2);
+    const bool    norms   = ggml_get_op_params_i32(dst, 3) != 0;
 
     const int64_t n_embd    = q->ne[0];
     const int64_t n_q       = q->ne[1];
@@ -68,6 +71,10 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
     char  * work   = (char *) params->wdata + params->ith*sfi_evidence_bytes_per_thread(dst);
     float * scores = (float *) work;
     char  * q_conv = work + sizeof(float)*n_q*n_kv;
+    float * k_f32  = (float *) (q_conv + q_row_size*n_q);
+
+    const ggml_to_float_t k_to_float = ggml_get_type_traits(k->type)->to_float;
+    GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || k_to_float);
 
     for (int64_t pair = params->ith; pair < n_head_kv*nb; pair += params->nth) {
         const int64_t h = pair % n_head_kv;
@@ -91,6 +98,20 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
                     s = softcap*tanhf(s);
                 }
                 scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_rows, b);
+            }
+            if (norms) {
+                // [n_head_kv, n_kv, nb] after the evidence
+                const float * x = (const float *) k_row;
+                if (k->type != GGML_TYPE_F32) {
+                    k_to_float(k_row, k_f32, n_embd);
+                    x = k_f32;
+                }
+                double sq = 0.0;
+                for (int64_t d = 0; d < n_embd; ++d) {
+                    sq += (double) x[d]*x[d];
+                }
+                float * kn = (float *) ((char *) dst->data + dst->nb[3]) + (b*n_kv + c)*n_head_kv + h;
+                *kn = (float) std::sqrt(sq);
             }
         }
 

@@ -26,11 +26,12 @@ template <> __device__ __forceinline__ float sfi_to_float<half>(half x)   { retu
 template <> __device__ __forceinline__ float sfi_to_float<float>(float x) { return x; }
 
 // the scores of the rows j0 .. j0 + n_qc - 1 of n_q (as many as shared memory holds) for the block's cells, and per
-// row the block's (max, sum of exp(s - max)) in parts[(pair*n_blocks + block)*n_q + j]
+// row the block's (max, sum of exp(s - max)) in parts[(pair*n_blocks + block)*n_q + j]; with kn (and j0 == 0) the
+// norm of each key in kn[(b*n_kv + c)*n_head_kv + h]
 template <int D, typename TM>
 static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_scores(
         const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
-        float * __restrict__ scores, float2 * __restrict__ parts,
+        float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ kn,
         const int n_q, const int j0, const int n_qc, const int n_rows, const int n_kv, const int n_head_kv, const int b0, const int nm,
         const float softcap,
         const size_t nbq1, const size_t nbq2, const size_t nbq3,
@@ -67,10 +68,13 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
     float * s_out = scores + pair*n_q*n_kv;
     const char * m_base = mask + (b % nm)*nbm3;
 
+    const bool norms = kn && j0 == 0;
+
     for (int r0 = 0; r0 < n_qc; r0 += SFI_ROWS_PER_PASS) {
         const int nr = min(SFI_ROWS_PER_PASS, n_qc - r0);
 
         float acc[SFI_ROWS_PER_PASS] = { 0.0f };
+        float sq = 0.0f;
 
 #pragma unroll
         for (int ch0 = 0; ch0 < CHUNKS; ch0 += 8) {
@@ -87,6 +91,10 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
                 const float2 k23 = __half22float2(k2[1]);
                 const float2 k45 = __half22float2(k2[2]);
                 const float2 k67 = __half22float2(k2[3]);
+                if (norms && r0 == 0) {
+                    sq += k01.x*k01.x + k01.y*k01.y + k23.x*k23.x + k23.y*k23.y
+                        + k45.x*k45.x + k45.y*k45.y + k67.x*k67.x + k67.y*k67.y;
+                }
 #pragma unroll
                 for (int r = 0; r < SFI_ROWS_PER_PASS; ++r) {
                     if (r < nr) {
@@ -98,6 +106,10 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
                     }
                 }
             }
+        }
+
+        if (norms && r0 == 0 && valid) {
+            kn[((size_t) b*n_kv + c)*n_head_kv + h] = sqrtf(sq);
         }
 
 #pragma unroll
@@ -142,11 +154,12 @@ static __device__ __forceinline__ void sfi_butterfly(float * v, const int lane) 
 // the same for a decode step's few query rows (n_q <= NQ <= 8), as flash attention reads keys: a warp reads whole key
 // rows (each lane D/32 of a row's elements), the query rows in registers, 32/NQ cells at a time; the 32 partial
 // dot products of each lane (cells x rows) are summed over the warp by a butterfly that leaves lane l with value l
-// (31 shuffles for 32 sums). Each lane keeps the running max and sum of exp of its row for the block's part.
+// (31 shuffles for 32 sums). Each lane keeps the running max and sum of exp of its row for the block's part. With kn,
+// each key's sum of squares is summed the same way (the 32/NQ cells' sums: log2(32/NQ) halvings and the rest plain).
 template <int D, int NQ, typename TM>
 static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_scores_warp(
         const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
-        float * __restrict__ scores, float2 * __restrict__ parts,
+        float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ kn,
         const int n_q, const int n_rows, const int n_kv, const int n_head_kv, const int b0, const int nm,
         const float softcap,
         const size_t nbq1, const size_t nbq2, const size_t nbq3,
@@ -210,6 +223,7 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
         }
 
         float v[WARP_SIZE];
+        float sq[CPI];
 #pragma unroll
         for (int i = 0; i < CPI; ++i) {
             float kf[E];
@@ -218,6 +232,11 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
                 const float2 f = __half22float2(kh[i][e]);
                 kf[2*e]     = f.x;
                 kf[2*e + 1] = f.y;
+            }
+            sq[i] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                sq[i] += kf[e]*kf[e];
             }
 #pragma unroll
             for (int j = 0; j < NQ; ++j) {
@@ -231,6 +250,18 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
         }
 
         sfi_butterfly<WARP_SIZE/2>(v, lane);
+
+        if (kn) {
+            // lane l: the sum of cell l % CPI's squares
+            sfi_butterfly<CPI/2>(sq, lane);
+#pragma unroll
+            for (int o = CPI; o < WARP_SIZE; o <<= 1) {
+                sq[0] += __shfl_xor_sync(0xffffffff, sq[0], o);
+            }
+            if (lane < CPI && c0 + lane < n_kv) {
+                kn[((size_t) b*n_kv + c0 + lane)*n_head_kv + h] = sqrtf(sq[0]);
+            }
+        }
 
         const int c = c0 + my_cell;
         if (c < n_kv && my_row < n_q) {
@@ -360,7 +391,7 @@ bool ggml_cuda_sfi_evidence_supported(const ggml_tensor * op) {
 }
 
 template <int D>
-static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, float2 * parts, int b0, int nbl, cudaStream_t stream) {
+static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, float2 * parts, float * kn, int b0, int nbl, cudaStream_t stream) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
     const ggml_tensor * mask = dst->src[2];
@@ -381,12 +412,12 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
             constexpr int NQ = decltype(nq)::value;
             if (mask->type == GGML_TYPE_F16) {
                 sfi_evidence_scores_warp<D, NQ, half><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
-                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                     n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                     q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
             } else {
                 sfi_evidence_scores_warp<D, NQ, float><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
-                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                    (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                     n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                     q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
             }
@@ -412,12 +443,12 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
         const size_t smem = (size_t) n_qc*D*sizeof(float);
         if (mask->type == GGML_TYPE_F16) {
             sfi_evidence_scores<D, half><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
-                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         } else {
             sfi_evidence_scores<D, float><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
-                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts,
+                (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         }
@@ -451,13 +482,15 @@ void ggml_cuda_op_sfi_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     ggml_cuda_pool_alloc<float2> parts (ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q);
     ggml_cuda_pool_alloc<float2> stats (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q);
 
+    float * kn = ggml_get_op_params_i32(dst, 3) ? (float *) ((char *) dst->data + dst->nb[3]) : nullptr;
+
     for (int64_t b0 = 0; b0 < nb; b0 += nbl_max) {
         const int nbl = (int) std::min<int64_t>(nbl_max, nb - b0);
 
         switch (D) {
-            case  64: sfi_evidence_scores_launch< 64>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
-            case 128: sfi_evidence_scores_launch<128>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
-            case 256: sfi_evidence_scores_launch<256>(dst, scores.get(), parts.get(), b0, nbl, stream); break;
+            case  64: sfi_evidence_scores_launch< 64>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
+            case 128: sfi_evidence_scores_launch<128>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
+            case 256: sfi_evidence_scores_launch<256>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
             default: GGML_ABORT("unsupported head size");
         }
         CUDA_CHECK(cudaGetLastError());
