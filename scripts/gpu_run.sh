@@ -159,7 +159,8 @@ if [[ " $stages " == *" host-profile "* ]]; then
             ${SFI_BENCH_ARGS:-} 2>&1 | grep -v "^load:" | tail -2
         python3 benchmarks/host_profile.py "$OUT/host-$d.txt" --rate 100 --root "SFIStepper\.step" \
             --root "DenseStepper\.step" --root "LlamaContext\.last_logits" --top 30 \
-            --json "$OUT/host_profile-h200-qwen3-4b-$d.json" | tee "$OUT/host_profile-$d.txt" | head -120
+            --json "$OUT/host_profile-h200-qwen3-4b-$d.json" > "$OUT/host_profile-$d.txt"
+        head -120 "$OUT/host_profile-$d.txt"
         rm -f "$OUT/host-$d.txt"
     done
 fi
