@@ -23,8 +23,8 @@ GPU_MIN_CONTEXT = 24576
 CPU_MIN_CONTEXT = 2048
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise): the H200 measured 1.28x batched dense at 16 x 32K and
-# 2.05x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.16x at 32K.
+# (unless SFIConfig.min_context says otherwise): the H200 measured 1.37x batched dense at 16 x 32K and
+# 2.23x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.24x at 32K.
 GPU_BATCHED_MIN_CONTEXT = 32768
 
 
