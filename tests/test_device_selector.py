@@ -112,6 +112,24 @@ def test_device_selector_equals_numpy_reference(fixture, flash_attn, request):
         d.close()
 
 
+def test_a_slow_step_without_the_selector_leaves_no_selection(tiny):
+    (c, d), slow_token = prefilled_pair(tiny, 700, seed=5)
+    try:
+        c.close()
+        dev = SFINative(d.ctx)
+        rng = CandidateRange.for_context(701, N_SINK, N_RECENT)
+        dev.set_n_candidates(len(rng))
+        dev.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
+        dev.set_mode(dev.SLOW)
+        d.decode(slow_token)
+        assert dev.selection_size() == K_HEAD
+        dev.set_n_candidates(K_HEAD - 1)  # fewer candidates than k_head: this slow step runs no Selector
+        d.decode(tokens_for(tiny, 1, seed=6))
+        assert dev.selection_size() == 0 and dev.selection() is None
+    finally:
+        d.close()
+
+
 def reference_with_candidates(export: AttentionExport, rng: CandidateRange, n_cand: int, k: int,
                               selector: SFISelector):
     """The device pipeline with fewer candidates than cells, in numpy: evidence pooled over the whole range,

@@ -70,6 +70,9 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
         if (n_tokens[s] > 0) {
             resolve(s);
             view->streams[s].invalidate();
+            if (mode == LLAMA_SFI_MODE_SLOW) {
+                exports[s].n_sel = 0; // the selection of an earlier slow step ends here, even if this one makes none
+            }
         }
     }
 }
