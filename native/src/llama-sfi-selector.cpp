@@ -126,6 +126,55 @@ bool llama_sfi_selector_fused(const llama_sfi_layer_export & ex) {
     return llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il));
 }
 
+// the candidate stage as composite ops (ggml_sfi_candidate_scores and ggml_sfi_candidate_values define it): the
+// candidate cells I32 [n_cand, nb] and their values [n_cand, n_head_kv + 2, nb]
+static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_candidates(
+        ggml_context * ctx,
+        const llama_sfi_view & view,
+        const llama_sfi_graph_input & inp,
+         ggml_tensor * evid,
+             int64_t   n_cand,
+        const ggml_tensor * storage) {
+    const auto & sp = view.selector;
+
+    const int64_t n_kv      = evid->ne[0];
+    const int64_t n_head_kv = evid->ne[2];
+    const int64_t nb        = evid->ne[3];
+
+    ggml_tensor * mask = inp.sel_mask;
+
+    const int64_t ns = mask->ne[3];
+
+    auto per_pair = [&](ggml_tensor * t) { // [n, n_kv, ns] -> [n, n_kv, nb]
+        return nb == ns ? t : ggml_repeat_4d(ctx, t, t->ne[0], n_kv, nb, 1);
+    };
+
+    // f = evidence^(1/alpha) normalised over the range: softmax of log(evidence)/alpha, masked
+    ggml_tensor * f = ggml_soft_max_ext(ctx, ggml_log(ctx, evid), mask, 1.0f/view.params.evidence_alpha, 0.0f);
+
+    if (sp.pool_window > 1) {
+        // max over the neighbouring cells (zeros outside the range), then back to the range only
+        const int half = sp.pool_window/2;
+
+        ggml_tensor * keep = ggml_exp(ctx, mask); // 1 in the range, 0 outside
+        f = ggml_mul(ctx, ggml_pool_2d(ctx, f, GGML_OP_POOL_MAX, 2*half + 1, 1, 1, 1, half, 0), keep);
+        f = ggml_div(ctx, f, ggml_sum_rows(ctx, f));
+    }
+
+    // candidates: the most f summed over the heads (each head normalised: every head has its say), summed by
+    // halving (a sum_rows over rows of n_head_kv values runs one CUDA block per cell)
+    ggml_tensor * score = ggml_add(ctx, ggml_reshape_2d(ctx, llama_sfi_group_sum(ctx, f, 1), n_kv, nb), ggml_reshape_2d(ctx, mask, n_kv, ns));
+    ggml_tensor * cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage); // [n_cand, nb]
+
+    // one gather of every value the Selector reads per candidate, f of each head, its relative position u and
+    // the range mask: a gather of one-value rows costs about as much as one of ten
+    ggml_tensor * vals = ggml_concat(ctx, ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_3d(ctx, f, n_kv, n_head_kv, nb))),
+            per_pair(ggml_concat(ctx, inp.sel_u, ggml_reshape_3d(ctx, mask, 1, n_kv, ns), 0)), 0); // [n_head_kv + 2, n_kv, nb]
+    vals = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, vals, cells)));                          // [n_cand, n_head_kv + 2, nb]
+
+    return { cells, vals };
+}
+
 // the SFI Selector (sfi_gguf/selector.py, SFISelector) over the evidence of n layers of the same shape, for
 // every stream of the ubatch, as one set of ops on the layers stacked (layer-major: batch b = layer*ns + stream):
 // per layer ops were thousands of small kernels, and softmaxes and sums over a few long rows used a few
@@ -156,35 +205,23 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
 
     const int64_t ns = mask->ne[3];
 
-    auto per_pair = [&](ggml_tensor * t) { // [n, n_kv, ns] -> [n, n_kv, nb]
-        return nb == ns ? t : ggml_repeat_4d(ctx, t, t->ne[0], n_kv, nb, 1);
-    };
-
     const float tiny = std::numeric_limits<float>::min();
     const float big  = std::numeric_limits<float>::max();
 
-    // f = evidence^(1/alpha) normalised over the range: softmax of log(evidence)/alpha, masked
-    ggml_tensor * f = ggml_soft_max_ext(ctx, ggml_log(ctx, evid), mask, 1.0f/view.params.evidence_alpha, 0.0f);
+    ggml_tensor * cells = nullptr;
+    ggml_tensor * vals  = nullptr; // [n_cand, n_head_kv + 2, nb]: f of each head, u and the range mask per candidate
 
-    if (sp.pool_window > 1) {
-        // max over the neighbouring cells (zeros outside the range), then back to the range only
-        const int half = sp.pool_window/2;
+    // the candidate stage as two ops where the backend of the keys has them, else as composite ops
+    ggml_tensor * cs = ggml_sfi_candidate_scores(ctx, ggml_is_contiguous(evid) ? evid : ggml_cont(ctx, evid), mask,
+            view.params.evidence_alpha, sp.pool_window);
+    if (llama_sfi_backend_runs(cs, storage)) {
+        ggml_tensor * score = ggml_view_2d(ctx, cs, n_kv, nb, cs->nb[1], 0);
 
-        ggml_tensor * keep = ggml_exp(ctx, mask); // 1 in the range, 0 outside
-        f = ggml_mul(ctx, ggml_pool_2d(ctx, f, GGML_OP_POOL_MAX, 2*half + 1, 1, 1, 1, half, 0), keep);
-        f = ggml_div(ctx, f, ggml_sum_rows(ctx, f));
+        cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage);
+        vals  = ggml_sfi_candidate_values(ctx, cs, inp.sel_u, mask, cells);
+    } else {
+        std::tie(cells, vals) = llama_sfi_selector_candidates(ctx, view, inp, evid, n_cand, storage);
     }
-
-    // candidates: the most f summed over the heads (each head normalised: every head has its say), summed by
-    // halving (a sum_rows over rows of n_head_kv values runs one CUDA block per cell)
-    ggml_tensor * score = ggml_add(ctx, ggml_reshape_2d(ctx, llama_sfi_group_sum(ctx, f, 1), n_kv, nb), ggml_reshape_2d(ctx, mask, n_kv, ns));
-    ggml_tensor * cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage); // [n_cand, nb]
-
-    // one gather of every value the Selector reads per candidate, f of each head, its relative position u and
-    // the range mask: a gather of one-value rows costs about as much as one of ten
-    ggml_tensor * vals = ggml_concat(ctx, ggml_cont(ctx, ggml_transpose(ctx, ggml_reshape_3d(ctx, f, n_kv, n_head_kv, nb))),
-            per_pair(ggml_concat(ctx, inp.sel_u, ggml_reshape_3d(ctx, mask, 1, n_kv, ns), 0)), 0); // [n_head_kv + 2, n_kv, nb]
-    vals = ggml_cont(ctx, ggml_transpose(ctx, ggml_get_rows(ctx, vals, cells)));                          // [n_cand, n_head_kv + 2, nb]
 
     auto vals_rows = [&](int64_t first, int64_t n) {
         return ggml_cont(ctx, ggml_view_3d(ctx, vals, n_cand, n, nb, vals->nb[1], vals->nb[2], first*vals->nb[1]));

@@ -350,6 +350,172 @@ static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose
     return n_failed;
 }
 
+// ggml_sfi_candidate_scores and ggml_sfi_candidate_values on every backend against their definition, written out here
+struct candidates_case {
+    int64_t n_kv;
+    int64_t n_head;
+    int64_t nb;
+    int64_t ns;
+    int64_t n_cand;
+    float   alpha;
+    int     pool_window;
+
+    std::string name() const {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "sfi_candidate_scores+values(n_kv=%lld,heads=%lld,nb=%lld,ns=%lld,n_cand=%lld,alpha=%g,pool=%d)",
+                (long long) n_kv, (long long) n_head, (long long) nb, (long long) ns, (long long) n_cand, alpha, pool_window);
+        return buf;
+    }
+};
+
+// the definition: [n_kv, nb, 1 + n_head] (scores, then f per head), in double
+static std::vector<float> candidate_scores_ref(const candidates_case & tc, const std::vector<float> & e, const std::vector<float> & m) {
+    const int64_t n = tc.n_kv;
+    const int     half = tc.pool_window > 1 ? tc.pool_window/2 : 0;
+    std::vector<float> out(n*tc.nb*(1 + tc.n_head), 0.0f);
+    for (int64_t b = 0; b < tc.nb; ++b) {
+        const float * mb = m.data() + (b % tc.ns)*n;
+        for (int64_t h = 0; h < tc.n_head; ++h) {
+            const float * eh = e.data() + (b*tc.n_head + h)*n;
+            std::vector<double> w(n, 0.0), g(n, 0.0);
+            double sum_w = 0.0;
+            for (int64_t c = 0; c < n; ++c) {
+                w[c] = mb[c] != -INFINITY ? std::pow((double) eh[c], 1.0/tc.alpha) : 0.0;
+                sum_w += w[c];
+            }
+            double sum = 0.0;
+            for (int64_t c = 0; c < n; ++c) {
+                double v = w[c];
+                if (half > 0) {
+                    v = 0.0;
+                    for (int64_t d = std::max<int64_t>(0, c - half); d <= std::min<int64_t>(n - 1, c + half) && mb[c] != -INFINITY; ++d) {
+                        v = std::max(v, w[d]);
+                    }
+                }
+                g[c] = v;
+                sum += v;
+            }
+            for (int64_t c = 0; c < n; ++c) {
+                const float f = sum > 0.0 && sum_w > 0.0 ? (float) (g[c]/sum) : 0.0f;
+                out[((1 + h)*tc.nb + b)*n + c] = f;
+                out[b*n + c] += f;
+            }
+        }
+        for (int64_t c = 0; c < n; ++c) {
+            out[b*n + c] += mb[c];
+        }
+    }
+    return out;
+}
+
+static int test_candidates(const std::vector<ggml_backend_t> & backends, ggml_backend_t cpu, bool verbose, int * n_run) {
+    const std::vector<candidates_case> cases = {
+        { 1000, 8, 3, 1, 256, 0.5f, 17 },
+        { 257, 2, 4, 2, 64, 0.5f, 0 },      // no pooling, two streams
+        { 70000, 8, 2, 1, 8192, 0.5f, 17 }, // a long context
+        { 7, 4, 2, 1, 3, 0.3f, 3 },         // odd cell count, a window wider than the range's gaps
+        { 5000, 4, 6, 3, 1000, 1.0f, 1 },   // window 1: no pooling
+        { 3000, 8, 2, 1, 100, 0.5f, 129 },  // the widest window the GPU takes
+    };
+    std::mt19937 rng(77);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    int n_failed = 0;
+    for (const candidates_case & tc : cases) {
+        std::vector<float> e(tc.n_kv*tc.n_head*tc.nb), m(tc.n_kv*tc.ns), u(tc.n_kv*tc.ns);
+        for (size_t i = 0; i < e.size(); ++i) {
+            e[i] = i % 19 == 3 ? 0.0f : 4.0f*uniform(rng)*uniform(rng); // some cells without evidence
+        }
+        for (int64_t s = 0; s < tc.ns; ++s) {
+            for (int64_t c = 0; c < tc.n_kv; ++c) {
+                // a range: the sink and the recent cells outside, and a gap
+                const bool in = c >= 1 + s && c < tc.n_kv - 2 && c % 23 != 9;
+                m[s*tc.n_kv + c] = in ? 0.0f : -INFINITY;
+                u[s*tc.n_kv + c] = in ? (float) c/tc.n_kv : 0.0f;
+            }
+        }
+        const std::vector<float> ref = candidate_scores_ref(tc, e, m);
+
+        // the candidates: some cells of each pair, any order, repeats allowed
+        std::vector<int32_t> cells(tc.n_cand*tc.nb);
+        for (auto & c : cells) {
+            c = (int32_t) (rng() % tc.n_kv);
+        }
+        std::vector<float> ref_vals(tc.n_cand*(tc.n_head + 2)*tc.nb);
+        for (int64_t b = 0; b < tc.nb; ++b) {
+            for (int64_t i = 0; i < tc.n_cand; ++i) {
+                const int64_t c = cells[b*tc.n_cand + i];
+                for (int64_t h = 0; h < tc.n_head; ++h) {
+                    ref_vals[(b*(tc.n_head + 2) + h)*tc.n_cand + i] = ref[((1 + h)*tc.nb + b)*tc.n_kv + c];
+                }
+                ref_vals[(b*(tc.n_head + 2) + tc.n_head)*tc.n_cand + i]     = u[(b % tc.ns)*tc.n_kv + c];
+                ref_vals[(b*(tc.n_head + 2) + tc.n_head + 1)*tc.n_cand + i] = m[(b % tc.ns)*tc.n_kv + c];
+            }
+        }
+
+        for (ggml_backend_t backend : backends) {
+            ggml_init_params ip = { ggml_tensor_overhead()*16 + ggml_graph_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+
+            ggml_tensor * te = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, tc.n_kv, 1, tc.n_head, tc.nb);
+            ggml_tensor * tm = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, tc.n_kv, 1, 1, tc.ns);
+            ggml_tensor * tu = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, 1, tc.n_kv, tc.ns);
+            ggml_tensor * tc_cells = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, tc.n_cand, tc.nb);
+            ggml_tensor * cs   = ggml_sfi_candidate_scores(ctx, te, tm, tc.alpha, tc.pool_window);
+            ggml_tensor * vals = ggml_sfi_candidate_values(ctx, cs, tu, tm, tc_cells);
+
+            const bool supported = ggml_backend_supports_op(backend, cs) && ggml_backend_supports_op(backend, vals);
+            if (!supported) {
+                if (backend == cpu) {
+                    printf("FAIL %s on CPU: not supported (the CPU is the reference)\n", tc.name().c_str());
+                    n_failed++;
+                }
+                ggml_free(ctx);
+                continue;
+            }
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ggml_backend_tensor_set(te, e.data(), 0, ggml_nbytes(te));
+            ggml_backend_tensor_set(tm, m.data(), 0, ggml_nbytes(tm));
+            ggml_backend_tensor_set(tu, u.data(), 0, ggml_nbytes(tu));
+            ggml_backend_tensor_set(tc_cells, cells.data(), 0, ggml_nbytes(tc_cells));
+
+            ggml_cgraph * gf = ggml_new_graph(ctx);
+            ggml_build_forward_expand(gf, vals);
+            GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+
+            std::vector<float> got(ggml_nelements(cs)), got_vals(ggml_nelements(vals));
+            ggml_backend_tensor_get(cs, got.data(), 0, ggml_nbytes(cs));
+            ggml_backend_tensor_get(vals, got_vals.data(), 0, ggml_nbytes(vals));
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+
+            // the scores hold -inf where the mask does: compare those exactly, the rest by nmse
+            auto split_err = [](const std::vector<float> & a, const std::vector<float> & r) {
+                std::vector<float> fa, fr;
+                for (size_t i = 0; i < a.size(); ++i) {
+                    if (std::isinf(r[i]) || std::isinf(a[i])) {
+                        if (a[i] != r[i]) {
+                            return (double) INFINITY;
+                        }
+                        continue;
+                    }
+                    fa.push_back(a[i]);
+                    fr.push_back(r[i]);
+                }
+                return nmse(fa, fr);
+            };
+            const double err   = split_err(got, ref);
+            const double err_v = split_err(got_vals, ref_vals);
+            const bool   ok    = err < 1e-10 && err_v < 1e-10;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s: nmse %.3g, values %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), ggml_backend_name(backend), err, err_v);
+            }
+        }
+    }
+    return n_failed;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
@@ -465,6 +631,7 @@ int main(int argc, char ** argv) {
         }
     }
     n_failed += test_top_k(backends, verbose, &n_run);
+    n_failed += test_candidates(backends, cpu, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

@@ -40,6 +40,39 @@ extern "C" {
     GGML_API struct ggml_tensor * ggml_sfi_evidence_values(struct ggml_context * ctx, struct ggml_tensor * res);
     GGML_API struct ggml_tensor * ggml_sfi_evidence_key_norms(struct ggml_context * ctx, struct ggml_tensor * res);
 
+    // The device Selector's candidate stage over the evidence of each (KV head, batch) row: the evidence normalised
+    // over the cells the mask keeps, f = e^(1/alpha) / sum e^(1/alpha), then (pool_window > 1) the max of f over the
+    // pool_window/2 cells on each side, kept cells only, normalised again; and each cell's score, the sum of f over
+    // the heads plus the mask:
+    //   res[c, b, 1 + h] = f[c, h, b],   res[c, b, 0] = sum_h f[c, h, b] + mask[c, b % ns]
+    // the same values as soft_max_ext(log(evid), mask, 1/alpha), pool_2d (max), the renormalisation and the head sum
+    // of composite ops, from two reads of the evidence.
+    //
+    // evid: F32 [n_kv, 1, n_head, nb] contiguous, >= 0
+    // mask: F32 [n_kv, 1, 1, ns] contiguous, 0 (kept) or -INFINITY (not), nb % ns == 0
+    // res:  F32 [n_kv, nb, 1 + n_head]; a row of no kept cell (or no evidence) has f 0
+    GGML_API struct ggml_tensor * ggml_sfi_candidate_scores(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * evid,
+            struct ggml_tensor  * mask,
+            float                 alpha,
+            int                   pool_window);
+
+    // What the Selector reads of each candidate, gathered: f of every head, then u and the mask, at the cells chosen
+    //   res[i, h, b] = cs[cells[i, b], b, 1 + h] (h < n_head),  res[i, n_head, b] = u[cells[i, b], b % ns],
+    //   res[i, n_head + 1, b] = mask[cells[i, b], b % ns]
+    //
+    // cs:    a ggml_sfi_candidate_scores result [n_kv, nb, 1 + n_head]
+    // u:     F32, n_kv*ns values, contiguous (cell c of stream s at s*n_kv + c); mask likewise
+    // cells: I32 [n_cand, nb], each in [0, n_kv)
+    // res:   F32 [n_cand, n_head + 2, nb]
+    GGML_API struct ggml_tensor * ggml_sfi_candidate_values(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * cs,
+            struct ggml_tensor  * u,
+            struct ggml_tensor  * mask,
+            struct ggml_tensor  * cells);
+
     // The indices of the k largest values of each row of a, in increasing order of index; of the values equal to the
     // k-th largest, those of the lowest indices. A selection (radix select on CUDA), not a sort.
     //

@@ -47,6 +47,55 @@ struct ggml_tensor * ggml_sfi_evidence_key_norms(struct ggml_context * ctx, stru
     return ggml_view_3d(ctx, res, res->ne[1], res->ne[0], res->ne[2], row, row*res->ne[0], res->nb[3]);
 }
 
+struct ggml_tensor * ggml_sfi_candidate_scores(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * evid,
+        struct ggml_tensor  * mask,
+        float                 alpha,
+        int                   pool_window) {
+    GGML_ASSERT(evid->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_is_contiguous(evid) && ggml_is_contiguous(mask));
+    GGML_ASSERT(evid->ne[1] == 1 && mask->ne[0] == evid->ne[0] && mask->ne[1] == 1 && mask->ne[2] == 1);
+    GGML_ASSERT(evid->ne[3] % mask->ne[3] == 0);
+    GGML_ASSERT(alpha > 0.0f && pool_window >= 0);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, evid->ne[0], evid->ne[3], 1 + evid->ne[2]);
+
+    int32_t params[2] = { 0, pool_window };
+    memcpy(params, &alpha, sizeof(float));
+    ggml_set_op_params(result, params, sizeof(params));
+
+    result->op     = GGML_OP_SFI_CANDIDATE_SCORES;
+    result->src[0] = evid;
+    result->src[1] = mask;
+
+    return result;
+}
+
+struct ggml_tensor * ggml_sfi_candidate_values(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * cs,
+        struct ggml_tensor  * u,
+        struct ggml_tensor  * mask,
+        struct ggml_tensor  * cells) {
+    GGML_ASSERT(cs->op == GGML_OP_SFI_CANDIDATE_SCORES && cs->ne[2] >= 2);
+    GGML_ASSERT(u->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F32 && cells->type == GGML_TYPE_I32);
+    GGML_ASSERT(ggml_is_contiguous(u) && ggml_is_contiguous(mask) && ggml_is_contiguous(cells));
+    GGML_ASSERT(ggml_nelements(u) == ggml_nelements(mask) && ggml_nelements(mask) % cs->ne[0] == 0);
+    GGML_ASSERT(cs->ne[1] % (ggml_nelements(mask)/cs->ne[0]) == 0);
+    GGML_ASSERT(cells->ne[1] == cs->ne[1] && cells->ne[2] == 1 && cells->ne[3] == 1);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, cells->ne[0], cs->ne[2] + 1, cs->ne[1]);
+
+    result->op     = GGML_OP_SFI_CANDIDATE_VALUES;
+    result->src[0] = cs;
+    result->src[1] = u;
+    result->src[2] = mask;
+    result->src[3] = cells;
+
+    return result;
+}
+
 struct ggml_tensor * ggml_sfi_top_k(
         struct ggml_context * ctx,
         struct ggml_tensor  * a,

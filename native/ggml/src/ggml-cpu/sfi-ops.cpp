@@ -28,6 +28,8 @@ size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
             return sfi_evidence_bytes_per_thread(node)*n_tasks;
         case GGML_OP_SFI_TOP_K:
             return GGML_PAD(sizeof(int32_t)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks; // a row's indices
+        case GGML_OP_SFI_CANDIDATE_SCORES:
+            return GGML_PAD(sizeof(float)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks;   // a row's weights
         default:
             return 0;
     }
@@ -169,5 +171,113 @@ void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_ten
         std::sort(idx, idx + k);
 
         memcpy((char *) dst->data + r*dst->nb[1], idx, k*sizeof(int32_t));
+    }
+}
+
+// one thread per (head, batch) row at a time: the weights w = e^(1/alpha) of the kept cells (relative to the row's
+// largest, as a softmax takes them), pooled, normalised into f; a barrier, then the cells split over the threads
+// for the head sums
+void ggml_compute_forward_sfi_candidate_scores(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * evid = dst->src[0];
+    const ggml_tensor * mask = dst->src[1];
+
+    const float alpha = ggml_get_op_params_f32(dst, 0);
+    const int   pool  = ggml_get_op_params_i32(dst, 1);
+    const int   half  = pool > 1 ? pool/2 : 0;
+
+    const int64_t n_kv   = evid->ne[0];
+    const int64_t n_head = evid->ne[2];
+    const int64_t nb     = evid->ne[3];
+    const int64_t ns     = mask->ne[3];
+
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const float * e_all = (const float *) evid->data;
+    const float * m_all = (const float *) mask->data;
+    float       * out   = (float *) dst->data;
+
+    float * w = (float *) ((char *) params->wdata + params->ith*GGML_PAD(sizeof(float)*n_kv, CACHE_LINE_SIZE));
+
+    for (int64_t row = params->ith; row < n_head*nb; row += params->nth) {
+        const int64_t h = row % n_head;
+        const int64_t b = row / n_head;
+
+        const float * e = e_all + (b*n_head + h)*n_kv;
+        const float * m = m_all + (b % ns)*n_kv;
+        float       * f = out + ((1 + h)*nb + b)*n_kv;
+
+        float lmax = -INFINITY;
+        for (int64_t c = 0; c < n_kv; ++c) {
+            if (m[c] != -INFINITY && e[c] > 0.0f) {
+                lmax = std::max(lmax, logf(e[c]));
+            }
+        }
+        for (int64_t c = 0; c < n_kv; ++c) {
+            w[c] = m[c] != -INFINITY && e[c] > 0.0f ? expf((logf(e[c]) - lmax)/alpha) : 0.0f;
+        }
+        double sum = 0.0;
+        for (int64_t c = 0; c < n_kv; ++c) {
+            float v = w[c];
+            if (half > 0) {
+                v = 0.0f;
+                if (m[c] != -INFINITY) {
+                    for (int64_t d = std::max<int64_t>(0, c - half); d <= std::min<int64_t>(n_kv - 1, c + half); ++d) {
+                        v = std::max(v, w[d]);
+                    }
+                }
+            }
+            f[c] = v;
+            sum += v;
+        }
+        const float scale = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
+        for (int64_t c = 0; c < n_kv; ++c) {
+            f[c] *= scale;
+        }
+    }
+
+    ggml_barrier(params->threadpool);
+
+    const int64_t per = (n_kv*nb + params->nth - 1)/params->nth;
+    for (int64_t i = params->ith*per; i < std::min(n_kv*nb, (params->ith + 1)*per); ++i) {
+        const int64_t c = i % n_kv;
+        const int64_t b = i / n_kv;
+        float score = 0.0f;
+        for (int64_t h = 0; h < n_head; ++h) {
+            score += out[((1 + h)*nb + b)*n_kv + c];
+        }
+        out[b*n_kv + c] = score + m_all[(b % ns)*n_kv + c];
+    }
+}
+
+void ggml_compute_forward_sfi_candidate_values(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * cs    = dst->src[0];
+    const ggml_tensor * u     = dst->src[1];
+    const ggml_tensor * mask  = dst->src[2];
+    const ggml_tensor * cells = dst->src[3];
+
+    const int64_t n_kv   = cs->ne[0];
+    const int64_t nb     = cs->ne[1];
+    const int64_t n_head = cs->ne[2] - 1;
+    const int64_t n_cand = cells->ne[0];
+    const int64_t ns     = ggml_nelements(mask)/n_kv;
+
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const float   * f   = (const float *) cs->data;
+    const int32_t * idx = (const int32_t *) cells->data;
+    float         * out = (float *) dst->data;
+
+    for (int64_t b = params->ith; b < nb; b += params->nth) {
+        const float * ub = (const float *) u->data    + (b % ns)*n_kv;
+        const float * mb = (const float *) mask->data + (b % ns)*n_kv;
+        for (int64_t i = 0; i < n_cand; ++i) {
+            const int64_t c = idx[b*n_cand + i];
+            GGML_ASSERT(c >= 0 && c < n_kv);
+            for (int64_t h = 0; h < n_head; ++h) {
+                out[(b*(n_head + 2) + h)*n_cand + i] = f[((1 + h)*nb + b)*n_kv + c];
+            }
+            out[(b*(n_head + 2) + n_head    )*n_cand + i] = ub[c];
+            out[(b*(n_head + 2) + n_head + 1)*n_cand + i] = mb[c];
+        }
     }
 }

@@ -17,6 +17,8 @@ size_t ggml_sfi_op_work_size(const struct ggml_tensor * node, int n_tasks);
 
 void ggml_compute_forward_sfi_evidence(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_compute_forward_sfi_top_k   (const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_compute_forward_sfi_candidate_scores(const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_compute_forward_sfi_candidate_values(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 #ifdef __cplusplus
 }

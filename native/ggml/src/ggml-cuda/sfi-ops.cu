@@ -677,3 +677,155 @@ void ggml_cuda_op_sfi_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, ctx.stream()>>>((const float *) a->data, (int32_t *) dst->data, n, k);
     CUDA_CHECK(cudaGetLastError());
 }
+
+// ggml_sfi_candidate_scores: one block per (head, batch) row finds the row's largest log-evidence, then in tiles of
+// SFI_CAND_TILE cells (with the pool's halo in shared memory) the pooled weights of the kept cells, written to the
+// head's plane, and their sum; a second kernel scales each head's plane by 1/sum and adds the heads up per cell
+static constexpr int SFI_CAND_THREADS = 1024;
+static constexpr int SFI_CAND_TILE    = 1024;
+static constexpr int SFI_CAND_HALF_MAX = 64; // pool windows up to 129 cells
+
+static __device__ __forceinline__ float sfi_cand_weight(const float e, const float m, const float lmax, const float inv_alpha) {
+    return m != -INFINITY && e > 0.0f ? expf((logf(e) - lmax)*inv_alpha) : 0.0f;
+}
+
+static __global__ void __launch_bounds__(SFI_CAND_THREADS) sfi_candidate_pool(
+        const float * __restrict__ evid, const float * __restrict__ mask, float * __restrict__ out, float * __restrict__ inv_sum,
+        const int n_kv, const int n_head, const int nb, const int ns, const float inv_alpha, const int half) {
+    const int h = blockIdx.x;
+    const int b = blockIdx.y;
+
+    const float * e = evid + ((size_t) b*n_head + h)*n_kv;
+    const float * m = mask + (size_t) (b % ns)*n_kv;
+    float       * f = out  + ((size_t) (1 + h)*nb + b)*n_kv;
+
+    __shared__ float buf[WARP_SIZE];
+    __shared__ float w_s[SFI_CAND_TILE + 2*SFI_CAND_HALF_MAX];
+
+    float lmax = -INFINITY;
+    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) {
+        if (m[c] != -INFINITY && e[c] > 0.0f) {
+            lmax = fmaxf(lmax, logf(e[c]));
+        }
+    }
+    lmax = block_reduce<block_reduce_method::MAX, SFI_CAND_THREADS>(lmax, buf);
+
+    float sum = 0.0f;
+    for (int c0 = 0; c0 < n_kv; c0 += SFI_CAND_TILE) {
+        __syncthreads(); // the previous tile's reads are done
+        for (int i = threadIdx.x; i < SFI_CAND_TILE + 2*half; i += blockDim.x) {
+            const int c = c0 - half + i;
+            w_s[i] = c >= 0 && c < n_kv ? sfi_cand_weight(e[c], m[c], lmax, inv_alpha) : 0.0f;
+        }
+        __syncthreads();
+        for (int i = threadIdx.x; i < SFI_CAND_TILE && c0 + i < n_kv; i += blockDim.x) {
+            float v = w_s[i + half];
+            if (half > 0) {
+                v = 0.0f;
+                if (m[c0 + i] != -INFINITY) {
+                    for (int d = 0; d <= 2*half; ++d) {
+                        v = fmaxf(v, w_s[i + d]);
+                    }
+                }
+            }
+            f[c0 + i] = v;
+            sum += v;
+        }
+    }
+    __syncthreads(); // buf is reused
+    sum = block_reduce<block_reduce_method::SUM, SFI_CAND_THREADS>(sum, buf);
+    if (threadIdx.x == 0) {
+        inv_sum[(size_t) b*n_head + h] = sum > 0.0f ? 1.0f/sum : 0.0f;
+    }
+}
+
+static __global__ void sfi_candidate_sum(const float * __restrict__ mask, const float * __restrict__ inv_sum, float * __restrict__ out,
+        const int n_kv, const int n_head, const int nb, const int ns) {
+    const int c = blockIdx.x*blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;
+    if (c >= n_kv) {
+        return;
+    }
+    float score = 0.0f;
+    for (int h = 0; h < n_head; ++h) {
+        float * f = out + ((size_t) (1 + h)*nb + b)*n_kv + c;
+        const float v = *f*inv_sum[(size_t) b*n_head + h];
+        *f = v;
+        score += v;
+    }
+    out[(size_t) b*n_kv + c] = score + mask[(size_t) (b % ns)*n_kv + c];
+}
+
+// ggml_sfi_candidate_values: a thread per (candidate, batch)
+static __global__ void sfi_candidate_gather(const float * __restrict__ cs, const float * __restrict__ u, const float * __restrict__ mask,
+        const int32_t * __restrict__ cells, float * __restrict__ out, const int n_kv, const int nb, const int n_head, const int ns,
+        const int n_cand) {
+    const int i = blockIdx.x*blockDim.x + threadIdx.x;
+    const int b = blockIdx.y;
+    if (i >= n_cand) {
+        return;
+    }
+    const int c = cells[(size_t) b*n_cand + i];
+    float * o = out + (size_t) b*(n_head + 2)*n_cand + i;
+    for (int h = 0; h < n_head; ++h) {
+        o[(size_t) h*n_cand] = cs[((size_t) (1 + h)*nb + b)*n_kv + c];
+    }
+    o[(size_t) n_head*n_cand]       = u   [(size_t) (b % ns)*n_kv + c];
+    o[(size_t) (n_head + 1)*n_cand] = mask[(size_t) (b % ns)*n_kv + c];
+}
+
+bool ggml_cuda_sfi_candidate_supported(const ggml_tensor * op) {
+    if (op->op == GGML_OP_SFI_CANDIDATE_SCORES) {
+        const int pool = ggml_get_op_params_i32(op, 1);
+        return (pool > 1 ? pool/2 : 0) <= SFI_CAND_HALF_MAX && op->ne[1] <= 65535;
+    }
+    return op->src[0]->ne[1] <= 65535;
+}
+
+void ggml_cuda_op_sfi_candidate_scores(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * evid = dst->src[0];
+    const ggml_tensor * mask = dst->src[1];
+
+    GGML_ASSERT(ggml_cuda_sfi_candidate_supported(dst));
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const float alpha = ggml_get_op_params_f32(dst, 0);
+    const int   pool  = ggml_get_op_params_i32(dst, 1);
+
+    const int n_kv   = (int) evid->ne[0];
+    const int n_head = (int) evid->ne[2];
+    const int nb     = (int) evid->ne[3];
+    const int ns     = (int) mask->ne[3];
+
+    cudaStream_t stream = ctx.stream();
+
+    ggml_cuda_pool_alloc<float> inv_sum(ctx.pool(), (size_t) n_head*nb);
+
+    sfi_candidate_pool<<<dim3(n_head, nb), SFI_CAND_THREADS, 0, stream>>>(
+        (const float *) evid->data, (const float *) mask->data, (float *) dst->data, inv_sum.get(),
+        n_kv, n_head, nb, ns, 1.0f/alpha, pool > 1 ? pool/2 : 0);
+    sfi_candidate_sum<<<dim3((n_kv + 255)/256, nb), 256, 0, stream>>>(
+        (const float *) mask->data, inv_sum.get(), (float *) dst->data, n_kv, n_head, nb, ns);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+void ggml_cuda_op_sfi_candidate_values(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * cs    = dst->src[0];
+    const ggml_tensor * u     = dst->src[1];
+    const ggml_tensor * mask  = dst->src[2];
+    const ggml_tensor * cells = dst->src[3];
+
+    GGML_ASSERT(ggml_cuda_sfi_candidate_supported(dst));
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const int n_kv   = (int) cs->ne[0];
+    const int nb     = (int) cs->ne[1];
+    const int n_head = (int) cs->ne[2] - 1;
+    const int n_cand = (int) cells->ne[0];
+    const int ns     = (int) (ggml_nelements(mask)/n_kv);
+
+    sfi_candidate_gather<<<dim3((n_cand + 255)/256, nb), 256, 0, ctx.stream()>>>(
+        (const float *) cs->data, (const float *) u->data, (const float *) mask->data, (const int32_t *) cells->data,
+        (float *) dst->data, n_kv, nb, n_head, ns, n_cand);
+    CUDA_CHECK(cudaGetLastError());
+}
