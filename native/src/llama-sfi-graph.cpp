@@ -7,8 +7,47 @@
 #include "llama-batch.h"
 #include "llama-kv-cache.h"
 
+#include "ggml-backend.h"
+#include "ggml-sfi.h"
+
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
+
+//
+// SFI ops or their composite definition
+//
+
+// an SFI op runs where the tensor it reads (storage) is, when that backend has it; RPC reports every op as supported
+// without asking its server, so it keeps the composite ops. LLAMA_SFI_FUSED=0 keeps them everywhere (for comparisons).
+bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage) {
+    static const bool fused = [] {
+        const char * env = getenv("LLAMA_SFI_FUSED");
+        return !env || strcmp(env, "0") != 0;
+    }();
+    if (!fused || !storage->buffer) {
+        return false;
+    }
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(storage->buffer);
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (!dev && ggml_backend_buft_is_host(buft)) {
+        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU); // the CPU buffer type names no device
+    }
+    if (!dev || strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0) {
+        return false;
+    }
+    return ggml_backend_dev_supports_op(dev, op);
+}
+
+ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
+    ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
+    if (llama_sfi_backend_runs(t, src)) {
+        return t;
+    }
+    // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
+    return ggml_set_rows(ctx, dst, ggml_get_rows(ctx, src, idx), slots);
+}
 
 //
 // inputs
@@ -284,10 +323,7 @@ static ggml_tensor * llama_sfi_gather(
     ggml_tensor * dst_h = ggml_view_3d(ctx, dst, n_embd_head, dst->ne[1], n_head_kv,
             dst->nb[1], ggml_row_size(dst->type, n_embd_head), 0);
 
-    // note: get_rows returns F32, lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
-    ggml_tensor * rows = ggml_get_rows(ctx, src_h, sel); // [n_embd_head, n_sel, n_head_kv]
-
-    return ggml_set_rows(ctx, dst_h, rows, slots);
+    return llama_sfi_copy_rows(ctx, dst_h, src_h, sel, slots);
 }
 
 // dst [n_sel, n_rows, n_head_kv] = the columns sel [n_sel, n_head_kv] of src [kv_size, n_rows, n_head_kv], each head its
@@ -478,7 +514,7 @@ void llama_sfi_build_load(
 
             ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, h, a, own->nb[1], own->nb[2], own0);
 
-            ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), own_slots));
+            ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, own_slots));
         } else {
             for (int64_t j = 0; j < h; ++j) {
                 ggml_tensor * s4 = view_4d(src, t_src, d, ns, t_src->nb[2], nl, src.stride, j*hs_src);
@@ -486,7 +522,7 @@ void llama_sfi_build_load(
 
                 ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, ns, nl, own->nb[2], ns*own->nb[2], own0 + j*own->nb[1]);
 
-                ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), own_slots));
+                ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, own_slots));
             }
         }
 
@@ -496,7 +532,7 @@ void llama_sfi_build_load(
 
         ggml_tensor * idx = ggml_view_3d(ctx, inp.shared, n_shared, ns, nl, inp.shared->nb[2], inp.shared->nb[1], 0);
 
-        ggml_build_forward_expand(gf, ggml_set_rows(ctx, d4, ggml_get_rows(ctx, s4, idx), shared_slots));
+        ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, shared_slots));
     };
 
     // layers that lie at one stride in the cache and in the view take one gather per tensor for all of them, the

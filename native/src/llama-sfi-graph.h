@@ -63,6 +63,14 @@ struct llama_sfi_graph_result {
     ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
 };
 
+// whether op runs on the backend of storage (the tensor it reads), which has it: an SFI op there, else its composite
+// definition (RPC always takes the composite ops; so does every backend with LLAMA_SFI_FUSED=0)
+bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage);
+
+// dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where the backend of src has it, else
+// get_rows then set_rows
+ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);
+
 // graph topology key of a KV cache context: 0 when SFI does not change the graph
 uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx);
 

@@ -46,28 +46,6 @@ static ggml_tensor * llama_sfi_selector_evidence(
     return llama_sfi_stack(ex.ctx, evids, 3);
 }
 
-// the fused evidence op (ggml_sfi_evidence) runs where the keys are, when that backend has it; RPC reports every op
-// as supported without asking its server, so it keeps the composite ops. LLAMA_SFI_FUSED=0 keeps them everywhere
-// (for comparisons).
-static bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage) {
-    static const bool fused = [] {
-        const char * env = getenv("LLAMA_SFI_FUSED");
-        return !env || strcmp(env, "0") != 0;
-    }();
-    if (!fused || !storage->buffer) {
-        return false;
-    }
-    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(storage->buffer);
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    if (!dev && ggml_backend_buft_is_host(buft)) {
-        dev = ggml_backend_dev_by_type(GGML_BACKEND_DEVICE_TYPE_CPU); // the CPU buffer type names no device
-    }
-    if (!dev || strcmp(ggml_backend_reg_name(ggml_backend_dev_backend_reg(dev)), "RPC") == 0) {
-        return false;
-    }
-    return ggml_backend_dev_supports_op(dev, op);
-}
-
 // the indices of the k best of each row of a, as ggml_sfi_top_k (a selection) where the backend of storage has it, else
 // by ggml's top-k ops (the best first)
 static ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage) {

@@ -516,6 +516,110 @@ static int test_candidates(const std::vector<ggml_backend_t> & backends, ggml_ba
     return n_failed;
 }
 
+// ggml_sfi_copy_rows on every backend against its definition: the bytes of every row of dst, copied or not
+struct copy_rows_case {
+    ggml_type type;
+    int64_t   ne0;   // elements of a row
+    int64_t   n_src; // rows of src per (j, l)
+    int64_t   n_dst;
+    int64_t   n;     // rows copied per (j, l)
+    int64_t   ne2;   // heads: the rows of one cell lie side by side (strided views, as a cache's heads)
+    int64_t   ne3;
+
+    std::string name() const {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "sfi_copy_rows(%s,ne0=%lld,src=%lld,dst=%lld,n=%lld,%lldx%lld)", ggml_type_name(type),
+                (long long) ne0, (long long) n_src, (long long) n_dst, (long long) n, (long long) ne2, (long long) ne3);
+        return buf;
+    }
+};
+
+static int test_copy_rows(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
+    const std::vector<copy_rows_case> cases = {
+        { GGML_TYPE_F16,  128, 1000, 2308, 2048, 8, 3 }, // a selection's own cells, heads x layers
+        { GGML_TYPE_F16, 1024,  500,  300,   17, 1, 4 }, // whole cache rows (the shared cells)
+        { GGML_TYPE_F16,   64,   37,   40,   37, 2, 1 },
+        { GGML_TYPE_F16,    3,   50,   20,   20, 3, 2 }, // rows of 6 bytes: byte copies
+        { GGML_TYPE_F32,   80,  100,  100,   99, 5, 1 }, // 320-byte rows
+        { GGML_TYPE_Q8_0, 128,  300,  200,  150, 4, 2 }, // 136-byte rows of blocks
+        { GGML_TYPE_F16,  128,    1,    1,    1, 1, 1 },
+    };
+    std::mt19937 rng(7);
+    int n_failed = 0;
+    for (const copy_rows_case & tc : cases) {
+        const size_t  row     = ggml_row_size(tc.type, tc.ne0);
+        const int64_t n_idx_r = tc.n + 3; // idx is a view of a wider tensor: strided
+
+        std::vector<uint8_t> src_bytes(row*tc.ne2*tc.n_src*tc.ne3), dst_bytes(row*tc.ne2*tc.n_dst*tc.ne3);
+        for (auto & b : src_bytes) { b = (uint8_t) rng(); }
+        for (auto & b : dst_bytes) { b = (uint8_t) rng(); }
+
+        std::vector<int32_t> idx(n_idx_r*tc.ne2*tc.ne3);
+        for (auto & c : idx) { c = (int32_t) (rng() % tc.n_src); }
+        std::vector<int64_t> slots(tc.n_dst);
+        for (int64_t i = 0; i < tc.n_dst; ++i) { slots[i] = i; }
+        std::shuffle(slots.begin(), slots.end(), rng);
+        slots.resize(tc.n);
+
+        // the definition: dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]; a cell's heads side by side
+        std::vector<uint8_t> ref = dst_bytes;
+        for (int64_t l = 0; l < tc.ne3; ++l) {
+            for (int64_t j = 0; j < tc.ne2; ++j) {
+                for (int64_t i = 0; i < tc.n; ++i) {
+                    const int64_t c = idx[(l*tc.ne2 + j)*n_idx_r + i];
+                    memcpy(&ref[((l*tc.n_dst + slots[i])*tc.ne2 + j)*row], &src_bytes[((l*tc.n_src + c)*tc.ne2 + j)*row], row);
+                }
+            }
+        }
+
+        for (ggml_backend_t backend : backends) {
+            ggml_init_params ip = { ggml_tensor_overhead()*16 + ggml_graph_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+
+            ggml_tensor * src_t = ggml_new_tensor_3d(ctx, tc.type, tc.ne0*tc.ne2, tc.n_src, tc.ne3);
+            ggml_tensor * dst_t = ggml_new_tensor_3d(ctx, tc.type, tc.ne0*tc.ne2, tc.n_dst, tc.ne3);
+            ggml_tensor * idx_t = ggml_new_tensor_3d(ctx, GGML_TYPE_I32, n_idx_r, tc.ne2, tc.ne3);
+            ggml_tensor * sl_t  = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, tc.n);
+
+            ggml_tensor * s4 = ggml_view_4d(ctx, src_t, tc.ne0, tc.n_src, tc.ne2, tc.ne3, src_t->nb[1], row, src_t->nb[2], 0);
+            ggml_tensor * d4 = ggml_view_4d(ctx, dst_t, tc.ne0, tc.n_dst, tc.ne2, tc.ne3, dst_t->nb[1], row, dst_t->nb[2], 0);
+            ggml_tensor * iv = ggml_view_3d(ctx, idx_t, tc.n, tc.ne2, tc.ne3, idx_t->nb[1], idx_t->nb[2], 0);
+
+            ggml_tensor * out = ggml_sfi_copy_rows(ctx, d4, s4, iv, sl_t);
+
+            if (!ggml_backend_supports_op(backend, out)) {
+                if (verbose) {
+                    printf("skip %s on %s: not supported\n", tc.name().c_str(), ggml_backend_name(backend));
+                }
+                ggml_free(ctx);
+                continue;
+            }
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ggml_backend_tensor_set(src_t, src_bytes.data(), 0, src_bytes.size());
+            ggml_backend_tensor_set(dst_t, dst_bytes.data(), 0, dst_bytes.size());
+            ggml_backend_tensor_set(idx_t, idx.data(), 0, idx.size()*sizeof(int32_t));
+            ggml_backend_tensor_set(sl_t, slots.data(), 0, slots.size()*sizeof(int64_t));
+
+            ggml_cgraph * gf = ggml_new_graph(ctx);
+            ggml_build_forward_expand(gf, out);
+            GGML_ASSERT(ggml_backend_graph_compute(backend, gf) == GGML_STATUS_SUCCESS);
+
+            std::vector<uint8_t> got(dst_bytes.size());
+            ggml_backend_tensor_get(dst_t, got.data(), 0, got.size());
+
+            const bool ok = got == ref;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s\n", ok ? "ok  " : "FAIL", tc.name().c_str(), ggml_backend_name(backend));
+            }
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+        }
+    }
+    return n_failed;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
@@ -632,6 +736,7 @@ int main(int argc, char ** argv) {
     }
     n_failed += test_top_k(backends, verbose, &n_run);
     n_failed += test_candidates(backends, cpu, verbose, &n_run);
+    n_failed += test_copy_rows(backends, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

@@ -83,6 +83,21 @@ extern "C" {
             struct ggml_tensor  * a,
             int                   k);
 
+    // Rows copied as they are: dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l], whole rows of bytes of any type,
+    // the gather of get_rows then set_rows without F32 rows between them (and without the dequantize / quantize of a
+    // quantized cache). In place: the result is a view of dst.
+    //
+    // dst:   [ne0, n_dst, ne2, ne3], rows contiguous, any strides
+    // src:   [ne0, n_src, ne2, ne3] of the type of dst, rows contiguous, any strides
+    // idx:   I32 [n, ne2, ne3], any strides, each in [0, n_src)
+    // slots: I64 [n] contiguous, each in [0, n_dst)
+    GGML_API struct ggml_tensor * ggml_sfi_copy_rows(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * dst,
+            struct ggml_tensor  * src,
+            struct ggml_tensor  * idx,
+            struct ggml_tensor  * slots);
+
 #ifdef  __cplusplus
 }
 #endif

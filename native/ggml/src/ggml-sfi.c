@@ -111,3 +111,26 @@ struct ggml_tensor * ggml_sfi_top_k(
 
     return result;
 }
+
+struct ggml_tensor * ggml_sfi_copy_rows(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * dst,
+        struct ggml_tensor  * src,
+        struct ggml_tensor  * idx,
+        struct ggml_tensor  * slots) {
+    GGML_ASSERT(dst->type == src->type);
+    GGML_ASSERT(idx->type == GGML_TYPE_I32 && slots->type == GGML_TYPE_I64 && ggml_is_contiguous(slots));
+    GGML_ASSERT(dst->ne[0] == src->ne[0] && dst->ne[2] == src->ne[2] && dst->ne[3] == src->ne[3]);
+    GGML_ASSERT(idx->ne[0] == ggml_nelements(slots) && idx->ne[1] == src->ne[2] && idx->ne[2] == src->ne[3] && idx->ne[3] == 1);
+    GGML_ASSERT(ggml_is_contiguous_rows(dst) && ggml_is_contiguous_rows(src));
+
+    struct ggml_tensor * result = ggml_view_tensor(ctx, dst);
+
+    result->op     = GGML_OP_SFI_COPY_ROWS;
+    result->src[0] = dst;
+    result->src[1] = src;
+    result->src[2] = idx;
+    result->src[3] = slots;
+
+    return result;
+}

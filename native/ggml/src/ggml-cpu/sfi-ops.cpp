@@ -281,3 +281,33 @@ void ggml_compute_forward_sfi_candidate_values(const ggml_compute_params * param
         }
     }
 }
+
+// the rows split over the threads; each a memcpy
+void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * src   = dst->src[1];
+    const ggml_tensor * idx   = dst->src[2];
+    const ggml_tensor * slots = dst->src[3];
+
+    const int64_t n   = idx->ne[0];
+    const int64_t ne2 = idx->ne[1];
+    const int64_t ne3 = idx->ne[2];
+
+    const int64_t n_src = src->ne[1];
+    const int64_t n_dst = dst->ne[1];
+
+    const size_t row = ggml_row_size(src->type, src->ne[0]);
+
+    const int64_t * sl = (const int64_t *) slots->data;
+
+    for (int64_t r = params->ith; r < n*ne2*ne3; r += params->nth) {
+        const int64_t i = r % n;
+        const int64_t j = (r / n) % ne2;
+        const int64_t l = r / (n*ne2);
+
+        const int32_t c = *(const int32_t *) ((const char *) idx->data + i*idx->nb[0] + j*idx->nb[1] + l*idx->nb[2]);
+        GGML_ASSERT(c >= 0 && c < n_src && sl[i] >= 0 && sl[i] < n_dst);
+
+        memcpy((char *) dst->data + sl[i]*dst->nb[1] + j*dst->nb[2] + l*dst->nb[3],
+               (const char *) src->data + c*src->nb[1] + j*src->nb[2] + l*src->nb[3], row);
+    }
+}

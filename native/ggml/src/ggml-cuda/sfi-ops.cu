@@ -12,6 +12,8 @@
 
 #include "sfi-ops.cuh"
 
+#include <climits>
+
 static constexpr int    SFI_CELLS_PER_BLOCK   = 256; // threads of a scores block, one cell each
 static constexpr int    SFI_ROWS_PER_PASS     = 8;   // query rows a thread accumulates at a time
 static constexpr int    SFI_WARP_BLOCK_THREADS = 128; // sfi_evidence_scores_warp: 4 warps of 64 cells each
@@ -678,47 +680,80 @@ void ggml_cuda_op_sfi_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     CUDA_CHECK(cudaGetLastError());
 }
 
-// ggml_sfi_candidate_scores: one block per (head, batch) row finds the row's largest log-evidence, then in tiles of
-// SFI_CAND_TILE cells (with the pool's halo in shared memory) the pooled weights of the kept cells, written to the
-// head's plane, and their sum; a second kernel scales each head's plane by 1/sum and adds the heads up per cell
-static constexpr int SFI_CAND_THREADS = 1024;
-static constexpr int SFI_CAND_TILE    = 1024;
+// ggml_sfi_candidate_scores over chunks of SFI_CAND_CHUNK cells of each (head, batch) row, so that a long row spreads
+// over the GPU: per chunk the largest kept evidence (its log is the row's largest log-evidence), then per chunk, in
+// tiles of SFI_CAND_TILE cells (the pool's halo in shared memory), the pooled weights of the kept cells, written to the
+// head's plane, and their sum; a last kernel scales each head's plane by 1/(the row's sum) and adds the heads up per cell
+static constexpr int SFI_CAND_THREADS  = 1024;
+static constexpr int SFI_CAND_TILE     = 1024;
+static constexpr int SFI_CAND_CHUNK    = 4*SFI_CAND_TILE;
 static constexpr int SFI_CAND_HALF_MAX = 64; // pool windows up to 129 cells
+static constexpr int SFI_CAND_SUM_THREADS = 256;
 
 static __device__ __forceinline__ float sfi_cand_weight(const float e, const float m, const float lmax, const float inv_alpha) {
     return m != -INFINITY && e > 0.0f ? expf((logf(e) - lmax)*inv_alpha) : 0.0f;
 }
 
-static __global__ void __launch_bounds__(SFI_CAND_THREADS) sfi_candidate_pool(
-        const float * __restrict__ evid, const float * __restrict__ mask, float * __restrict__ out, float * __restrict__ inv_sum,
-        const int n_kv, const int n_head, const int nb, const int ns, const float inv_alpha, const int half) {
-    const int h = blockIdx.x;
-    const int b = blockIdx.y;
+static __global__ void __launch_bounds__(SFI_CAND_THREADS) sfi_candidate_max(
+        const float * __restrict__ evid, const float * __restrict__ mask, float * __restrict__ part_max,
+        const int n_kv, const int n_head, const int ns) {
+    const int chunk = blockIdx.x;
+    const int h     = blockIdx.y;
+    const int b     = blockIdx.z;
 
     const float * e = evid + ((size_t) b*n_head + h)*n_kv;
+    const float * m = mask + (size_t) (b % ns)*n_kv;
+
+    __shared__ float buf[WARP_SIZE];
+
+    float emax = 0.0f;
+    const int c1 = min(n_kv, (chunk + 1)*SFI_CAND_CHUNK);
+    for (int c = chunk*SFI_CAND_CHUNK + threadIdx.x; c < c1; c += blockDim.x) {
+        if (m[c] != -INFINITY) {
+            emax = fmaxf(emax, e[c]);
+        }
+    }
+    emax = block_reduce<block_reduce_method::MAX, SFI_CAND_THREADS>(emax, buf);
+    if (threadIdx.x == 0) {
+        part_max[((size_t) b*n_head + h)*gridDim.x + chunk] = emax;
+    }
+}
+
+static __global__ void __launch_bounds__(SFI_CAND_THREADS) sfi_candidate_pool(
+        const float * __restrict__ evid, const float * __restrict__ mask, float * __restrict__ out,
+        const float * __restrict__ part_max, float * __restrict__ part_sum,
+        const int n_kv, const int n_head, const int nb, const int ns, const float inv_alpha, const int half) {
+    const int chunk    = blockIdx.x;
+    const int n_chunks = gridDim.x;
+    const int h        = blockIdx.y;
+    const int b        = blockIdx.z;
+
+    const size_t row = (size_t) b*n_head + h;
+
+    const float * e = evid + row*n_kv;
     const float * m = mask + (size_t) (b % ns)*n_kv;
     float       * f = out  + ((size_t) (1 + h)*nb + b)*n_kv;
 
     __shared__ float buf[WARP_SIZE];
     __shared__ float w_s[SFI_CAND_TILE + 2*SFI_CAND_HALF_MAX];
 
-    float lmax = -INFINITY;
-    for (int c = threadIdx.x; c < n_kv; c += blockDim.x) {
-        if (m[c] != -INFINITY && e[c] > 0.0f) {
-            lmax = fmaxf(lmax, logf(e[c]));
-        }
+    float emax = 0.0f;
+    for (int i = threadIdx.x; i < n_chunks; i += blockDim.x) {
+        emax = fmaxf(emax, part_max[row*n_chunks + i]);
     }
-    lmax = block_reduce<block_reduce_method::MAX, SFI_CAND_THREADS>(lmax, buf);
+    emax = block_reduce<block_reduce_method::MAX, SFI_CAND_THREADS>(emax, buf);
+    const float lmax = emax > 0.0f ? logf(emax) : -INFINITY;
 
     float sum = 0.0f;
-    for (int c0 = 0; c0 < n_kv; c0 += SFI_CAND_TILE) {
-        __syncthreads(); // the previous tile's reads are done
+    const int c_end = min(n_kv, (chunk + 1)*SFI_CAND_CHUNK);
+    for (int c0 = chunk*SFI_CAND_CHUNK; c0 < c_end; c0 += SFI_CAND_TILE) {
+        __syncthreads(); // the previous tile's reads (and the reduction's) are done
         for (int i = threadIdx.x; i < SFI_CAND_TILE + 2*half; i += blockDim.x) {
             const int c = c0 - half + i;
             w_s[i] = c >= 0 && c < n_kv ? sfi_cand_weight(e[c], m[c], lmax, inv_alpha) : 0.0f;
         }
         __syncthreads();
-        for (int i = threadIdx.x; i < SFI_CAND_TILE && c0 + i < n_kv; i += blockDim.x) {
+        for (int i = threadIdx.x; i < SFI_CAND_TILE && c0 + i < c_end; i += blockDim.x) {
             float v = w_s[i + half];
             if (half > 0) {
                 v = 0.0f;
@@ -735,21 +770,38 @@ static __global__ void __launch_bounds__(SFI_CAND_THREADS) sfi_candidate_pool(
     __syncthreads(); // buf is reused
     sum = block_reduce<block_reduce_method::SUM, SFI_CAND_THREADS>(sum, buf);
     if (threadIdx.x == 0) {
-        inv_sum[(size_t) b*n_head + h] = sum > 0.0f ? 1.0f/sum : 0.0f;
+        part_sum[row*n_chunks + chunk] = sum;
     }
 }
 
-static __global__ void sfi_candidate_sum(const float * __restrict__ mask, const float * __restrict__ inv_sum, float * __restrict__ out,
-        const int n_kv, const int n_head, const int nb, const int ns) {
-    const int c = blockIdx.x*blockDim.x + threadIdx.x;
+static __global__ void __launch_bounds__(SFI_CAND_SUM_THREADS) sfi_candidate_sum(
+        const float * __restrict__ mask, const float * __restrict__ part_sum, float * __restrict__ out,
+        const int n_kv, const int n_head, const int nb, const int ns, const int n_chunks) {
     const int b = blockIdx.y;
+
+    // 1/sum of each head's row, a warp per head
+    extern __shared__ float inv_s[]; // [n_head]
+    const int lane = threadIdx.x % WARP_SIZE;
+    for (int h = threadIdx.x / WARP_SIZE; h < n_head; h += SFI_CAND_SUM_THREADS/WARP_SIZE) {
+        float sum = 0.0f;
+        for (int i = lane; i < n_chunks; i += WARP_SIZE) {
+            sum += part_sum[((size_t) b*n_head + h)*n_chunks + i];
+        }
+        sum = warp_reduce_sum(sum);
+        if (lane == 0) {
+            inv_s[h] = sum > 0.0f ? 1.0f/sum : 0.0f;
+        }
+    }
+    __syncthreads();
+
+    const int c = blockIdx.x*blockDim.x + threadIdx.x;
     if (c >= n_kv) {
         return;
     }
     float score = 0.0f;
     for (int h = 0; h < n_head; ++h) {
         float * f = out + ((size_t) (1 + h)*nb + b)*n_kv + c;
-        const float v = *f*inv_sum[(size_t) b*n_head + h];
+        const float v = *f*inv_s[h];
         *f = v;
         score += v;
     }
@@ -799,13 +851,19 @@ void ggml_cuda_op_sfi_candidate_scores(ggml_backend_cuda_context & ctx, ggml_ten
 
     cudaStream_t stream = ctx.stream();
 
-    ggml_cuda_pool_alloc<float> inv_sum(ctx.pool(), (size_t) n_head*nb);
+    const int n_chunks = (n_kv + SFI_CAND_CHUNK - 1)/SFI_CAND_CHUNK;
 
-    sfi_candidate_pool<<<dim3(n_head, nb), SFI_CAND_THREADS, 0, stream>>>(
-        (const float *) evid->data, (const float *) mask->data, (float *) dst->data, inv_sum.get(),
+    ggml_cuda_pool_alloc<float> part_max(ctx.pool(), (size_t) n_chunks*n_head*nb);
+    ggml_cuda_pool_alloc<float> part_sum(ctx.pool(), (size_t) n_chunks*n_head*nb);
+
+    const dim3 grid(n_chunks, n_head, nb);
+    sfi_candidate_max<<<grid, SFI_CAND_THREADS, 0, stream>>>(
+        (const float *) evid->data, (const float *) mask->data, part_max.get(), n_kv, n_head, ns);
+    sfi_candidate_pool<<<grid, SFI_CAND_THREADS, 0, stream>>>(
+        (const float *) evid->data, (const float *) mask->data, (float *) dst->data, part_max.get(), part_sum.get(),
         n_kv, n_head, nb, ns, 1.0f/alpha, pool > 1 ? pool/2 : 0);
-    sfi_candidate_sum<<<dim3((n_kv + 255)/256, nb), 256, 0, stream>>>(
-        (const float *) mask->data, inv_sum.get(), (float *) dst->data, n_kv, n_head, nb, ns);
+    sfi_candidate_sum<<<dim3((n_kv + SFI_CAND_SUM_THREADS - 1)/SFI_CAND_SUM_THREADS, nb), SFI_CAND_SUM_THREADS, n_head*sizeof(float), stream>>>(
+        (const float *) mask->data, part_sum.get(), (float *) dst->data, n_kv, n_head, nb, ns, n_chunks);
     CUDA_CHECK(cudaGetLastError());
 }
 
@@ -827,5 +885,79 @@ void ggml_cuda_op_sfi_candidate_values(ggml_backend_cuda_context & ctx, ggml_ten
     sfi_candidate_gather<<<dim3((n_cand + 255)/256, nb), 256, 0, ctx.stream()>>>(
         (const float *) cs->data, (const float *) u->data, (const float *) mask->data, (const int32_t *) cells->data,
         (float *) dst->data, n_kv, nb, n_head, ns, n_cand);
+    CUDA_CHECK(cudaGetLastError());
+}
+
+// ggml_sfi_copy_rows: the threads of a block copy SFI_COPY_UNITS units of T (16 bytes where the rows and their
+// addresses allow it) of consecutive rows i of one (j, l)
+static constexpr int SFI_COPY_THREADS = 256;
+static constexpr int SFI_COPY_UNITS   = 1024; // per block
+
+template <typename T>
+static __global__ void sfi_copy_rows(const char * __restrict__ src, char * __restrict__ dst,
+        const char * __restrict__ idx, const int64_t * __restrict__ slots,
+        const int n, const int units_per_row,
+        const size_t nbs1, const size_t nbs2, const size_t nbs3,
+        const size_t nbd1, const size_t nbd2, const size_t nbd3,
+        const size_t nbi0, const size_t nbi1, const size_t nbi2) {
+    const int j = blockIdx.y;
+    const int l = blockIdx.z;
+
+    const int rows_per_block = max(1, SFI_COPY_UNITS/units_per_row);
+    const int i0 = blockIdx.x*rows_per_block;
+
+    for (int u = threadIdx.x; u < rows_per_block*units_per_row; u += blockDim.x) {
+        const int i = i0 + u/units_per_row;
+        const int e = u % units_per_row;
+        if (i >= n) {
+            break;
+        }
+        const int32_t c = *(const int32_t *) (idx + i*nbi0 + j*nbi1 + l*nbi2);
+        const T * s = (const T *) (src + c*nbs1 + j*nbs2 + l*nbs3);
+        T       * d = (T       *) (dst + slots[i]*nbd1 + j*nbd2 + l*nbd3);
+        d[e] = s[e];
+    }
+}
+
+bool ggml_cuda_sfi_copy_rows_supported(const ggml_tensor * op) {
+    const ggml_tensor * idx = op->src[2];
+    return idx->ne[1] <= 65535 && idx->ne[2] <= 65535 && idx->ne[0] <= INT_MAX;
+}
+
+void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * d     = dst->src[0];
+    const ggml_tensor * src   = dst->src[1];
+    const ggml_tensor * idx   = dst->src[2];
+    const ggml_tensor * slots = dst->src[3];
+
+    GGML_ASSERT(ggml_cuda_sfi_copy_rows_supported(dst));
+
+    const int    n   = (int) idx->ne[0];
+    const size_t row = ggml_row_size(src->type, src->ne[0]);
+
+    // the widest unit every row start and length is a multiple of
+    uintptr_t a = row | (uintptr_t) src->data | (uintptr_t) d->data;
+    for (int i = 1; i < 4; ++i) {
+        a |= src->nb[i] | d->nb[i];
+    }
+    const size_t unit = a % 16 == 0 ? 16 : a % 8 == 0 ? 8 : a % 4 == 0 ? 4 : 1;
+
+    const int units_per_row  = (int) (row/unit);
+    const int rows_per_block = std::max(1, SFI_COPY_UNITS/units_per_row);
+
+    const dim3 grid((n + rows_per_block - 1)/rows_per_block, idx->ne[1], idx->ne[2]);
+
+    auto launch = [&](auto t) {
+        using T = decltype(t);
+        sfi_copy_rows<T><<<grid, SFI_COPY_THREADS, 0, ctx.stream()>>>(
+            (const char *) src->data, (char *) d->data, (const char *) idx->data, (const int64_t *) slots->data,
+            n, units_per_row, src->nb[1], src->nb[2], src->nb[3], d->nb[1], d->nb[2], d->nb[3], idx->nb[0], idx->nb[1], idx->nb[2]);
+    };
+    switch (unit) {
+        case 16: launch(uint4());    break;
+        case  8: launch(uint2());    break;
+        case  4: launch(uint32_t()); break;
+        default: launch(uint8_t());  break;
+    }
     CUDA_CHECK(cudaGetLastError());
 }

@@ -8,3 +8,5 @@ bool ggml_cuda_sfi_top_k_supported(const ggml_tensor * op);
 void ggml_cuda_op_sfi_candidate_scores(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 void ggml_cuda_op_sfi_candidate_values(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
 bool ggml_cuda_sfi_candidate_supported(const ggml_tensor * op);
+void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * dst);
+bool ggml_cuda_sfi_copy_rows_supported(const ggml_tensor * op);
