@@ -277,6 +277,41 @@ def test_shared_cells_and_overlap(tiny):
         d.close()
 
 
+@pytest.mark.skipif(NGL > 0, reason="reads the graph's nodes on the host through cb_eval")
+def test_the_gathers_copy_rows_as_they_are(tiny):
+    """Both gathers of a selection into the view, the slow step's of the device Selector's picks and the first fast
+    step's of a selection set from the host, copy the cache's rows with ggml_sfi_copy_rows where the backend has it
+    (no F32 rows between a get_rows and a set_rows); with LLAMA_SFI_FUSED=0, the composite ops."""
+    expected = {"SET_ROWS"} if os.environ.get("LLAMA_SFI_FUSED") == "0" else {"SFI_COPY_ROWS"}
+    capture = Capture(["sfi_gather"])
+    (c, d), token = prefilled_pair(tiny, 500, seed=8, capture=capture)
+    try:
+        sfi = SFINative(d.ctx)
+        sfi.set_n_candidates(256)
+        sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
+        sfi.set_mode(sfi.SLOW)
+        capture.ops.clear()
+        d.decode([token[0]])
+        assert capture.ops == {"sfi_gather": expected}  # the slow step gathered its own selection
+        selected = sfi.selection()
+        sfi.load_selection()
+        toks = tokens_for(tiny, 4, seed=9)
+        sfi.set_mode(sfi.FAST)
+        d.decode([toks[0]])
+        assert sfi.last_fast
+
+        rng = CandidateRange.for_context(d.n_past, N_SINK, N_RECENT)
+        sink, recent = rng.sink_and_recent_cells(sfi.cell_pos())
+        sfi.set_selection(selected, shared=np.concatenate([sink, recent]))
+        capture.ops.clear()
+        d.decode([toks[1]])
+        assert sfi.last_fast
+        assert capture.ops == {"sfi_gather": expected}  # the first fast step gathered the host's selection
+    finally:
+        c.close()
+        d.close()
+
+
 @pytest.mark.parametrize("fixture,flash_attn,type_kv", [
     pytest.param("tiny", True, GGML_TYPE_F16, id="fa"), pytest.param("tiny", False, GGML_TYPE_F16, id="no_fa"),
     # blocks of 32 values: the layers are gathered one by one, not as one span of the cache

@@ -8,7 +8,9 @@ Set SFI_TEST_NGL=99 to run them with the layers offloaded (CUDA build).
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,6 +48,18 @@ class ggml_tensor(ctypes.Structure):
     ]
 
 
+@functools.cache
+def _ggml_base():
+    base = ctypes.CDLL(str(next(Path(_native.find_lib_dir()).glob("libggml-base.so*"))))
+    base.ggml_op_name.restype = ctypes.c_char_p
+    base.ggml_op_name.argtypes = [ctypes.c_int]
+    return base
+
+
+def ggml_op_name(op: int) -> str:
+    return _ggml_base().ggml_op_name(op).decode()
+
+
 class Capture:
     """cb_eval callback that copies F32 tensors whose name starts with one of `prefixes`.
 
@@ -55,11 +69,14 @@ class Capture:
     def __init__(self, prefixes):
         self.prefixes = tuple(p.encode() for p in prefixes)
         self.seen: dict[str, list[np.ndarray]] = {}
+        self.ops: dict[str, set[str]] = {}  # the ops (ggml_op_name) of the nodes of each name, of any type
         self.enabled = True
 
         def cb(t_ptr, ask, _user):
             t = ctypes.cast(t_ptr, ctypes.POINTER(ggml_tensor)).contents
             name = t.name
+            if ask and self.enabled and name.startswith(self.prefixes):
+                self.ops.setdefault(name.decode(), set()).add(ggml_op_name(t.op))
             want = self.enabled and name.startswith(self.prefixes) and t.type == 0
             if ask:
                 return want

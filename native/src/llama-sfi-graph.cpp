@@ -26,6 +26,9 @@ bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage)
         const char * env = getenv("LLAMA_SFI_FUSED");
         return !env || strcmp(env, "0") != 0;
     }();
+    if (storage->view_src) {
+        storage = storage->view_src; // a view built for the graph has no buffer of its own yet
+    }
     if (!fused || !storage->buffer) {
         return false;
     }
@@ -42,11 +45,11 @@ bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage)
 
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
     ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
-    if (llama_sfi_backend_runs(t, src)) {
-        return t;
+    if (!llama_sfi_backend_runs(t, src)) {
+        // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
+        t = ggml_set_rows(ctx, dst, ggml_get_rows(ctx, src, idx), slots);
     }
-    // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
-    return ggml_set_rows(ctx, dst, ggml_get_rows(ctx, src, idx), slots);
+    return ggml_set_name(t, "sfi_gather");
 }
 
 //
