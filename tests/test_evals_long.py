@@ -7,7 +7,7 @@ import pytest
 
 from sfi_gguf.tools.evals import answer_agreement, chain, long_tasks, longdoc, multifact, reasoning
 from sfi_gguf.tools.evals.report import cadence_table, markdown_table
-from sfi_gguf.tools.evals.runner import LONG_TASKS, Suite, TaskPlan, aggregate, policy_config
+from sfi_gguf.tools.evals.runner import LONG_TASKS, SUITES, Suite, TaskPlan, aggregate, context_size, policy_config
 
 
 class WordTokenizer:
@@ -116,6 +116,16 @@ def test_budgets_variants_and_table():
 
 # -- a tiny run on the default model -------------------------------------------------------------------
 @pytest.mark.real_model
+def test_the_long_suite_fits_the_default_models_training_context():
+    """A long task's document leaves room for its question and answer inside its context, so the 32K cells need
+    no more than the default model's 32K training context; other tasks' prompts take the context itself."""
+    plans = SUITES["long"].models["qwen2.5-coder-0.5b-instruct"]
+    assert context_size(plans) == 32768
+    assert context_size({"agreement": TaskPlan(contexts=(8192,))}) == 8192
+    assert context_size({"needle": TaskPlan(contexts=(16384,))}) == 16384 + 256
+    assert context_size({"longgen": TaskPlan(contexts=(3072,), options={"n_steps": 1024})}) == 3072 + 256 + 1024
+
+
 def test_tiny_long_suite_runs_every_task_with_one_prefill_per_document(tmp_path):
     from sfi_gguf.tools.evals import run_suite
 

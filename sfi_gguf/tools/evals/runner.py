@@ -109,6 +109,15 @@ SUITES = {
 }
 
 
+def context_size(plans: dict[str, TaskPlan]) -> int:
+    """The n_ctx that holds every case of `plans` (task -> plan): a long task's document leaves room for its
+    question and answer within its context (`longdoc.RESERVE`), so 32K cells fit the default model's 32K
+    training context; the other tasks' prompts are their context, with room for the answer (and longgen's steps)."""
+    n_ctx = max(max(p.contexts) + (0 if TASKS[t] in LONG_TASKS else 256)
+                + (p.options.get("n_steps", 0) if t == longgen.TASK else 0) for t, p in plans.items())
+    return max(n_ctx, 2048)
+
+
 def k_head_for(context: int, share: float) -> int:
     return max(K_HEAD_GRANULE, int(context * share) // K_HEAD_GRANULE * K_HEAD_GRANULE)
 
@@ -222,9 +231,7 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
             plans = {t: p for t, p in plans.items() if p.contexts}
         if not plans:
             continue
-        n_ctx = max(max(p.contexts) + (p.options.get("n_steps", 0) if t == longgen.TASK else 0)
-                    for t, p in plans.items()) + 256
-        n_ctx = max(n_ctx, 2048)
+        n_ctx = context_size(plans)
         llm = SFILlama(model_name, n_ctx=n_ctx, n_threads=n_threads)
         is_chat = common.is_chat_model(llm)
         work = []
