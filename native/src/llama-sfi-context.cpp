@@ -13,6 +13,24 @@
 #include <algorithm>
 #include <cstring>
 
+void llama_sfi_export::reset() {
+    valid    = false;
+    n_cells  = 0;
+    n_rows   = 0;
+    n_sel    = 0;
+    gathered = false;
+    mapped   = true;
+    seq      = -1;
+    range    = {};
+    n_edits  = 0;
+    for (auto * v : { &cells, &selection, &shared, &picks }) {
+        v->clear();
+    }
+    for (auto * v : { &mass, &evidence, &key_norms }) {
+        v->clear();
+    }
+}
+
 llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache * kv, std::shared_ptr<llama_sfi_view> view,
         const llama_sfi_params & params) : model(model), kv(kv), view(std::move(view)), params(params) {
     exports.resize(this->view->streams.size());
@@ -125,7 +143,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     const uint32_t n_tps = ubatch.n_tokens/ns;
 
     for (int64_t j = 0; j < ns; ++j) {
-        exports[view->stream_of(ubatch.seq_id[j*n_tps][0])] = llama_sfi_export();
+        exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].reset();
     }
 
     // slow steps are rare: wait for the graph, then copy synchronously, one copy per layer and kind
@@ -198,8 +216,8 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     ggml_backend_sched_synchronize(sched);
 
-    std::vector<int32_t> picks;
-    std::vector<int32_t> cells;
+    std::vector<int32_t> & picks = picks_buf;
+    std::vector<int32_t> & cells = cells_buf;
 
     std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
     bool any_kept = false;
@@ -210,7 +228,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     for (int64_t j = 0; j < ns; ++j) {
         auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
 
-        ex = llama_sfi_export();
+        ex.reset();
         ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
         ex.cells.assign(n_layers*n_cand, -1);
         if (!ids) {

@@ -47,6 +47,10 @@ struct llama_sfi_export {
     std::pair<llama_pos, llama_pos> range;      // ... and the positions its Selector chose from
 
     uint32_t n_edits = 0; // the stream's n_edits at the step: the cells above hold while it is unchanged
+
+    // no export, the vectors' memory kept: a slow step's exports are MBs, and memory the allocator maps anew at every
+    // refresh is paid for in page faults
+    void reset();
 };
 
 // SFI state of a llama_context
@@ -91,5 +95,8 @@ struct llama_sfi_context {
     uint32_t n_graph_nodes() const;
 
 private:
+    std::vector<int32_t> picks_buf; // extract_selection's copies of a run's picks and candidates, kept between steps
+    std::vector<int32_t> cells_buf;
+
     void extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
 };
