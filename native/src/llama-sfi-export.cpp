@@ -9,7 +9,11 @@
 #include "llama-hparams.h"
 #include "llama-kv-cache.h"
 
+#include "ggml-sfi.h"
+
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 // key norms are taken for at most this many cells per set of ops (the first SLOW step takes every cell's: its
 // keys, gathered as F32, would otherwise take GBs of compute buffer)
@@ -211,7 +215,41 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
     }
 }
 
-void llama_sfi_build_export(
+// the layer's flash attention (attn: build_attn_mha's output, a reshape of it) as ggml_sfi_flash_attn_evidence, which
+// also gives the device Selector the layer's evidence and key norms from its one read of the keys, where the keys'
+// backend has the op; nullptr where it does not apply (no flash attention, sinks, ALiBi, query rows that are not all
+// the step's tokens, V transposed). Opt-in (LLAMA_SFI_FA_EVIDENCE=1): its output equals flash attention's only up
+// to rounding, so a slow step is then no longer bit-identical to a dense one.
+static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex, ggml_tensor * attn) {
+    static const bool enabled = [] {
+        const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
+        return env && strcmp(env, "1") == 0;
+    }();
+    ggml_tensor * fa = attn ? attn->view_src : nullptr;
+    if (!enabled || !fa || fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[4] || ex.n_rows != ex.n_tps) {
+        return nullptr;
+    }
+    // ggml_flash_attn_ext's params: scale, max_bias, softcap
+    float params[3];
+    memcpy(params, fa->op_params, sizeof(params));
+    const float scale    = params[0];
+    const float max_bias = params[1];
+    const float softcap  = params[2];
+
+    ggml_tensor * q    = fa->src[0];
+    ggml_tensor * k    = fa->src[1];
+    ggml_tensor * v    = fa->src[2];
+    ggml_tensor * mask = fa->src[3];
+    if (max_bias != 0.0f || !mask || q->type != GGML_TYPE_F32 || mask->type != GGML_TYPE_F16 ||
+            k->nb[0] != ggml_type_size(k->type) || v->nb[0] != ggml_type_size(v->type)) {
+        return nullptr;
+    }
+
+    ggml_tensor * op = ggml_sfi_flash_attn_evidence(ex.ctx, q, k, v, mask, scale, softcap, ex.view.params.evidence_alpha, true);
+    return llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il)) ? op : nullptr;
+}
+
+ggml_tensor * llama_sfi_build_export(
         ggml_context * ctx,
          ggml_cgraph * gf,
         llama_sfi_graph_result & res,
@@ -223,10 +261,11 @@ void llama_sfi_build_export(
          ggml_tensor * kq_mask,
          ggml_tensor * sinks,
                float   kq_scale,
+         ggml_tensor * attn,
                  int   il) {
     const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
     if (!plan || !plan->exporting) {
-        return;
+        return attn;
     }
 
     const auto & view = plan->view;
@@ -272,7 +311,7 @@ void llama_sfi_build_export(
 
     const size_t n_layers = view.layers.size();
 
-    for (auto * ts : { &res.mass, &res.evidence, &res.key_norms, &res.cells, &res.sel, &res.sel_q, &res.sel_k, &res.sel_sinks, &res.sel_kn }) {
+    for (auto * ts : { &res.mass, &res.evidence, &res.key_norms, &res.cells, &res.sel, &res.sel_q, &res.sel_k, &res.sel_sinks, &res.sel_kn, &res.sel_fae }) {
         ts->resize(n_layers, nullptr);
     }
 
@@ -313,14 +352,20 @@ void llama_sfi_build_export(
     }
 
     if (selects && !view.refreshes(i)) {
-        return;
+        return attn;
     }
 
     if (selects) {
+        if (ggml_tensor * fae = fused ? llama_sfi_fused_attention(ex, attn) : nullptr) {
+            ggml_format_name(fae, "sfi_fae-%d", il);
+            res.sel_fae[i] = fae;
+            attn = ggml_reshape_2d(ctx, ggml_sfi_flash_attn_evidence_output(ctx, fae), attn->ne[0], attn->ne[1]);
+        }
         llama_sfi_build_selection(ex);
     } else if (n_cand == 0) {
         llama_sfi_export_every_cell(ex);
     } else {
         llama_sfi_export_candidates(ex);
     }
+    return attn;
 }

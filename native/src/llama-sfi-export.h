@@ -13,8 +13,10 @@ struct llama_sfi_graph_input;
 struct llama_sfi_graph_result;
 struct llama_sfi_view;
 
-// SLOW: export the attention of the last query rows of the ubatch's sequences (next to the attention), for layer il
-void llama_sfi_build_export(
+// SLOW: export the attention of the last query rows of the ubatch's sequences (next to the attention), for layer il;
+// returns the attention's output to go on with: attn (build_attn_mha's), or the same values from an op that also gave
+// the export (ggml_sfi_flash_attn_evidence, see llama_sfi_fused_attention)
+ggml_tensor * llama_sfi_build_export(
         ggml_context * ctx,
          ggml_cgraph * gf,
         llama_sfi_graph_result & res,
@@ -26,6 +28,7 @@ void llama_sfi_build_export(
          ggml_tensor * kq_mask,
          ggml_tensor * sinks,
                float   kq_scale,
+         ggml_tensor * attn,
                  int   il);
 
 // one layer's export: what every kind of export starts from

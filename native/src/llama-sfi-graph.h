@@ -56,6 +56,7 @@ struct llama_sfi_graph_result {
     std::vector<ggml_tensor *> sel_k;     //   sinks and key norms per cell, from which the Selector takes
     std::vector<ggml_tensor *> sel_sinks; //   its scores after the last layer
     std::vector<ggml_tensor *> sel_kn;
+    std::vector<ggml_tensor *> sel_fae;   //   ... or the layer's ggml_sfi_flash_attn_evidence, which gave them
 
     bool gathered  = false; // SLOW: the graph gathered the device Selector's selection into the view ...
     bool sel_cells = false; // ... and sel holds the cell ids it gathered (the host maps no picks)

@@ -88,6 +88,7 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_evidence_fused
     std::vector<ggml_tensor *> evids;
     std::vector<ggml_tensor *> norms;
     for (ggml_tensor * op : ops) {
+        ggml_set_name(op, "sfi_evidence");
         ggml_tensor * e = ggml_sfi_evidence_values(ctx, op);
         evids.push_back(ggml_reshape_4d(ctx, e, e->ne[0], 1, e->ne[1], e->ne[2]));
         norms.push_back(ggml_sfi_evidence_key_norms(ctx, op));
@@ -339,7 +340,22 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
         // layers then kept no key norms, see llama_sfi_selector_fused)
         ggml_tensor * evid = nullptr;
         ggml_tensor * kn   = nullptr;
-        if (fused) {
+        bool attention_gave_them = fused;
+        for (size_t j = first; j < last; ++j) {
+            attention_gave_them = attention_gave_them && res.sel_fae[refreshed[j]];
+        }
+        if (attention_gave_them) {
+            // each layer's attention gave them (llama_sfi_fused_attention)
+            std::vector<ggml_tensor *> evids;
+            std::vector<ggml_tensor *> norms;
+            for (size_t j = first; j < last; ++j) {
+                ggml_tensor * e = ggml_sfi_flash_attn_evidence_values(ctx, res.sel_fae[refreshed[j]]);
+                evids.push_back(ggml_reshape_4d(ctx, e, e->ne[0], 1, e->ne[1], e->ne[2]));
+                norms.push_back(ggml_sfi_flash_attn_evidence_key_norms(ctx, res.sel_fae[refreshed[j]]));
+            }
+            evid = llama_sfi_stack(ctx, evids, 3);
+            kn   = llama_sfi_stack(ctx, norms, 2);
+        } else if (fused) {
             std::vector<ggml_tensor *> qs;
             std::vector<ggml_tensor *> ks;
             ggml_tensor * k4 = layers_of(0, last - first, qs, ks);

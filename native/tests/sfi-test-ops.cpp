@@ -261,6 +261,84 @@ static void perf(ggml_backend_t backend, int64_t n_kv) {
     ggml_free(ctx);
 }
 
+// a slow step's attention of 36 layers (Qwen3-4B's shape: 32 query heads of 128, 8 KV heads, one token), each layer
+// its own F16 K and V of n_kv cells: flash attention alone, flash attention then ggml_sfi_evidence, and
+// ggml_sfi_flash_attn_evidence, which does both from one read of the keys
+static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
+    const int64_t D = 128, n_head = 32, n_head_kv = 8, n_layers = 36;
+    const float   scale = 1.0f/std::sqrt((float) D);
+
+    ggml_init_params ip = { ggml_tensor_overhead()*(16*n_layers + 16) + 3*ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);
+    std::vector<ggml_tensor *> qs, ks, vs;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        qs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, 1, n_head, 1));
+        ks.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, 1));
+        vs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, 1));
+    }
+    ggml_cgraph * g_fa  = ggml_new_graph(ctx);
+    ggml_cgraph * g_ev  = ggml_new_graph(ctx);
+    ggml_cgraph * g_fae = ggml_new_graph(ctx);
+    bool supported = true;
+    for (int64_t l = 0; l < n_layers; ++l) {
+        ggml_tensor * fa = ggml_flash_attn_ext(ctx, qs[l], ks[l], vs[l], mask, scale, 0.0f, 0.0f);
+        ggml_prec_set_acc(fa, GGML_PREC_F32);
+        ggml_tensor * qe = ggml_scale(ctx, ggml_reshape_4d(ctx, qs[l], D, n_head/n_head_kv, n_head_kv, 1), scale);
+        ggml_tensor * ev = ggml_sfi_evidence(ctx, qe, ks[l], mask, 1, 0.5f, 0.0f, true);
+        ggml_tensor * fae = ggml_sfi_flash_attn_evidence(ctx, qs[l], ks[l], vs[l], mask, scale, 0.0f, 0.5f, true);
+        supported = supported && ggml_backend_supports_op(backend, fa) && ggml_backend_supports_op(backend, ev) &&
+            ggml_backend_supports_op(backend, fae);
+        ggml_build_forward_expand(g_fa, fa);
+        ggml_build_forward_expand(g_ev, fa);
+        ggml_build_forward_expand(g_ev, ev);
+        ggml_build_forward_expand(g_fae, fae);
+    }
+    ggml_backend_buffer_t buf = supported ? ggml_backend_alloc_ctx_tensors(ctx, backend) : nullptr;
+    if (!buf) {
+        printf("perf: %s cannot time the attention at n_kv = %lld\n", ggml_backend_name(backend), (long long) n_kv);
+        ggml_free(ctx);
+        return;
+    }
+    std::mt19937 rng(8);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> qv(D*n_head);
+    for (ggml_tensor * q : qs) {
+        for (float & v : qv) {
+            v = normal(rng);
+        }
+        ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
+    }
+    for (int64_t l = 0; l < n_layers; ++l) {
+        ggml_backend_tensor_memset(ks[l], 0x3a, 0, ggml_nbytes(ks[l])); // every element 0.7
+        ggml_backend_tensor_memset(vs[l], 0x38, 0, ggml_nbytes(vs[l])); // 0.5
+    }
+    ggml_backend_tensor_memset(mask, 0, 0, ggml_nbytes(mask));
+
+    auto time_graph = [&](ggml_cgraph * gf) {
+        for (int i = 0; i < 3; ++i) {
+            ggml_backend_graph_compute(backend, gf);
+        }
+        const int n_iter = 10;
+        const int64_t t0 = ggml_time_us();
+        for (int i = 0; i < n_iter; ++i) {
+            ggml_backend_graph_compute(backend, gf);
+        }
+        ggml_backend_synchronize(backend);
+        return (ggml_time_us() - t0)/1000.0/n_iter;
+    };
+    const double ms_fa  = time_graph(g_fa);
+    const double ms_ev  = time_graph(g_ev);
+    const double ms_fae = time_graph(g_fae);
+    const double gb = 2.0*n_layers*ggml_nbytes(ks[0])/1e9;
+    printf("perf %s: attention of %lld layers over n_kv %lld: flash attention %.3f ms (K+V at %.0f GB/s), + sfi_evidence %.3f ms, "
+           "sfi_flash_attn_evidence %.3f ms (K+V at %.0f GB/s)\n", ggml_backend_name(backend), (long long) n_layers,
+           (long long) n_kv, ms_fa, gb/ms_fa*1e3, ms_ev, ms_fae, gb/ms_fae*1e3);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
 // ggml_sfi_top_k: every backend's indices must equal the definition's exactly (a brute-force sort by value, then index)
 struct top_k_case {
     int64_t n;
@@ -620,6 +698,155 @@ static int test_copy_rows(const std::vector<ggml_backend_t> & backends, bool ver
     return n_failed;
 }
 
+// ggml_sfi_flash_attn_evidence on every backend against its definition: ggml_flash_attn_ext's output and
+// ggml_sfi_evidence's values and key norms, computed on the CPU
+struct fae_case {
+    int64_t   D;
+    int64_t   n_tokens;
+    int64_t   n_gqa;
+    int64_t   n_head_kv;
+    int64_t   n_kv;
+    int64_t   ns;
+    ggml_type type_kv;
+    float     softcap;
+    float     alpha;
+    bool      key_norms;
+
+    std::string name() const {
+        char buf[200];
+        snprintf(buf, sizeof(buf), "sfi_flash_attn_evidence(D=%lld,tokens=%lld,gqa=%lld,hkv=%lld,n_kv=%lld,ns=%lld,kv=%s,cap=%g,alpha=%g,norms=%d)",
+                (long long) D, (long long) n_tokens, (long long) n_gqa, (long long) n_head_kv, (long long) n_kv,
+                (long long) ns, ggml_type_name(type_kv), softcap, alpha, key_norms);
+        return buf;
+    }
+};
+
+// the op's result, or (reference) the definition's values in the op's layout: output, evidence, key norms
+static std::vector<float> run_fae(ggml_backend_t backend, const fae_case & tc, const std::vector<float> & qv,
+        const std::vector<float> & kv, const std::vector<float> & vv, const std::vector<float> & mv, bool reference,
+        bool * supported) {
+    const int64_t n_head = tc.n_gqa*tc.n_head_kv;
+    const int64_t n_pad  = tc.n_tokens + 1; // padded, as llama.cpp pads it
+    const float   scale  = 1.0f/std::sqrt((float) tc.D);
+
+    ggml_init_params ip = { ggml_tensor_overhead()*64 + ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    // q as llama.cpp gives it to flash attention: a permuted view of [D, n_head, n_tokens, ns]
+    ggml_tensor * q_store = ggml_new_tensor_4d(ctx, GGML_TYPE_F32, tc.D, n_head, tc.n_tokens, tc.ns);
+    ggml_tensor * q       = ggml_permute(ctx, q_store, 0, 2, 1, 3);                     // [D, n_tokens, n_head, ns]
+    // k and v as views of a cache's rows: [D*n_head_kv, n_kv, ns] -> [D, n_kv, n_head_kv, ns]
+    ggml_tensor * k_store = ggml_new_tensor_3d(ctx, tc.type_kv, tc.D*tc.n_head_kv, tc.n_kv, tc.ns);
+    ggml_tensor * v_store = ggml_new_tensor_3d(ctx, tc.type_kv, tc.D*tc.n_head_kv, tc.n_kv, tc.ns);
+    const size_t hs = ggml_row_size(tc.type_kv, tc.D);
+    ggml_tensor * k = ggml_view_4d(ctx, k_store, tc.D, tc.n_kv, tc.n_head_kv, tc.ns, k_store->nb[1], hs, k_store->nb[2], 0);
+    ggml_tensor * v = ggml_view_4d(ctx, v_store, tc.D, tc.n_kv, tc.n_head_kv, tc.ns, v_store->nb[1], hs, v_store->nb[2], 0);
+    ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, tc.n_kv, n_pad, 1, tc.ns);
+
+    ggml_tensor * out;
+    if (reference) {
+        // F32 keys and values: ggml's CPU flash attention sums F16 values in F16
+        ggml_tensor * fa = ggml_flash_attn_ext(ctx, q, ggml_cast(ctx, k, GGML_TYPE_F32), ggml_cast(ctx, v, GGML_TYPE_F32),
+                mask, scale, 0.0f, tc.softcap);
+        ggml_prec_set_acc(fa, GGML_PREC_F32);
+        // the evidence op's rows: query head h*n_gqa + g at token t is row g*n_tokens + t of KV head h, scaled
+        ggml_tensor * qe = ggml_reshape_4d(ctx, ggml_cont(ctx, q), tc.D, tc.n_tokens*tc.n_gqa, tc.n_head_kv, tc.ns);
+        qe = ggml_scale(ctx, qe, tc.softcap > 0.0f ? scale/tc.softcap : scale);
+        ggml_tensor * me = ggml_view_4d(ctx, mask, tc.n_kv, tc.n_tokens, 1, tc.ns, mask->nb[1], mask->nb[2], mask->nb[3], 0);
+        ggml_tensor * ev = ggml_sfi_evidence(ctx, qe, k, me, (int) tc.n_tokens, tc.alpha, tc.softcap, tc.key_norms);
+        out = ggml_concat(ctx, ggml_reshape_1d(ctx, fa, ggml_nelements(fa)), ggml_reshape_1d(ctx, ev, ggml_nelements(ev)), 0);
+    } else {
+        out = ggml_sfi_flash_attn_evidence(ctx, q, k, v, mask, scale, tc.softcap, tc.alpha, tc.key_norms);
+    }
+
+    *supported = ggml_backend_supports_op(backend, out);
+    std::vector<float> result;
+    if (*supported) {
+        ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+        ggml_backend_tensor_set(q_store, qv.data(), 0, ggml_nbytes(q_store));
+        const std::vector<uint8_t> kb = pack(tc.type_kv, kv, tc.D);
+        const std::vector<uint8_t> vb = pack(tc.type_kv, vv, tc.D);
+        ggml_backend_tensor_set(k_store, kb.data(), 0, ggml_nbytes(k_store));
+        ggml_backend_tensor_set(v_store, vb.data(), 0, ggml_nbytes(v_store));
+        const std::vector<uint8_t> mb = pack(GGML_TYPE_F16, mv, tc.n_kv);
+        ggml_backend_tensor_set(mask, mb.data(), 0, ggml_nbytes(mask));
+        result = compute_and_get<float>(backend, ctx, out);
+        ggml_backend_buffer_free(buf);
+    }
+    ggml_free(ctx);
+    return result;
+}
+
+static int test_flash_attn_evidence(const std::vector<ggml_backend_t> & backends, ggml_backend_t cpu, bool verbose, int * n_run) {
+    const std::vector<fae_case> cases = {
+        { 128, 1, 4, 8, 1000, 1, GGML_TYPE_F16,  0.0f, 0.5f, true  }, // a decode step of Qwen3-4B's shape
+        { 128, 1, 4, 2, 4099, 3, GGML_TYPE_F16,  0.0f, 0.5f, true  }, // streams, odd cell count
+        {  64, 1, 7, 2,  777, 1, GGML_TYPE_F16,  0.0f, 0.5f, true  }, // Qwen2.5-0.5B's GQA of 7
+        {  64, 2, 4, 2,  300, 2, GGML_TYPE_F16,  0.0f, 0.5f, false }, // two tokens per stream
+        { 256, 1, 4, 1,  600, 1, GGML_TYPE_F16, 30.0f, 0.5f, true  }, // soft-capped scores (Gemma's head size)
+        { 128, 1, 1, 8,  333, 1, GGML_TYPE_F16,  0.0f, 1.0f, true  }, // no GQA, alpha 1: the mass
+        { 128, 1, 8, 1,    7, 1, GGML_TYPE_F16,  0.0f, 0.3f, false }, // a few cells
+        { 128, 1, 4, 8, 70000, 1, GGML_TYPE_F16, 0.0f, 0.5f, false }, // long context
+        { 128, 1, 4, 2,  500, 1, GGML_TYPE_Q8_0, 0.0f, 0.5f, true  }, // a quantized cache (the CPU only)
+    };
+    std::mt19937 rng(21);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    int n_failed = 0;
+    for (const fae_case & tc : cases) {
+        const int64_t n_head = tc.n_gqa*tc.n_head_kv;
+        const int64_t n_pad  = tc.n_tokens + 1; // padded, as llama.cpp pads it
+        std::vector<float> qv(tc.D*n_head*tc.n_tokens*tc.ns), kv(tc.D*tc.n_head_kv*tc.n_kv*tc.ns), vv(kv.size());
+        for (float & x : qv) { x = normal(rng)*2.0f; }
+        for (float & x : kv) { x = normal(rng); }
+        for (float & x : vv) { x = normal(rng); }
+        kv = round_to(tc.type_kv, kv, tc.D);
+        vv = round_to(tc.type_kv, vv, tc.D);
+        // each stream's token t sees a prefix of the cells, some excluded inside it
+        std::vector<float> mv(tc.n_kv*n_pad*tc.ns, -INFINITY);
+        for (int64_t b = 0; b < tc.ns; ++b) {
+            for (int64_t t = 0; t < tc.n_tokens; ++t) {
+                const int64_t visible = std::max<int64_t>(1, tc.n_kv - (tc.n_tokens - 1 - t) - 5*b);
+                for (int64_t c = 0; c < visible; ++c) {
+                    mv[(b*n_pad + t)*tc.n_kv + c] = c > 0 && c % 13 == 4 ? -INFINITY : 0.0f;
+                }
+            }
+        }
+
+        bool ok_ref = false;
+        const std::vector<float> ref = run_fae(cpu, tc, qv, kv, vv, mv, true, &ok_ref);
+        GGML_ASSERT(ok_ref);
+        const size_t n_out = (size_t) tc.D*n_head*tc.n_tokens*tc.ns;
+
+        for (ggml_backend_t backend : backends) {
+            bool supported = false;
+            const std::vector<float> got = run_fae(backend, tc, qv, kv, vv, mv, false, &supported);
+            const char * name = ggml_backend_name(backend);
+            if (!supported) {
+                if (backend == cpu) {
+                    printf("FAIL %s on %s: not supported (the CPU is the reference)\n", tc.name().c_str(), name);
+                    n_failed++;
+                } else if (verbose) {
+                    printf("skip %s on %s: not supported\n", tc.name().c_str(), name);
+                }
+                continue;
+            }
+            GGML_ASSERT(got.size() == ref.size());
+            const double err_out  = nmse(std::vector<float>(got.begin(), got.begin() + n_out), std::vector<float>(ref.begin(), ref.begin() + n_out));
+            const double err_rest = nmse(std::vector<float>(got.begin() + n_out, got.end()), std::vector<float>(ref.begin() + n_out, ref.end()));
+            // the op's products are the evidence op's (the scaled queries rounded to F16, or Q8_0 for a Q8_0 cache),
+            // the output's definition here takes F32 products
+            const double tol_out = tc.type_kv == GGML_TYPE_F16 ? 1e-6 : 2e-4;
+            const bool   ok      = err_out < tol_out && err_rest < 1e-6;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s: nmse output %.3g, evidence and norms %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), name, err_out, err_rest);
+            }
+        }
+    }
+    return n_failed;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
@@ -638,6 +865,7 @@ int main(int argc, char ** argv) {
             if (ggml_backend_t b = ggml_backend_dev_init(dev, nullptr)) {
                 for (int64_t n_kv : n_kvs) {
                     perf(b, n_kv);
+                    perf_attention(b, n_kv);
                 }
                 ggml_backend_free(b);
             }
@@ -737,6 +965,7 @@ int main(int argc, char ** argv) {
     n_failed += test_top_k(backends, verbose, &n_run);
     n_failed += test_candidates(backends, cpu, verbose, &n_run);
     n_failed += test_copy_rows(backends, verbose, &n_run);
+    n_failed += test_flash_attn_evidence(backends, cpu, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

@@ -35,6 +35,32 @@ extern "C" {
             float                 softcap,
             bool                  key_norms);
 
+    // Flash attention that also gives every cell's SFI evidence and key norm, from one read of the keys: the output of
+    // ggml_flash_attn_ext(q, k, v, mask, scale, 0, softcap), and ggml_sfi_evidence's values over all the query rows of
+    // each KV head's GQA group (row j = g*n_tokens + t of query head h*G + g at token t, scaled as the attention scales).
+    // The scores are ggml_sfi_evidence's (the scaled queries rounded to the keys' products, e.g. F16), so the output
+    // equals ggml_flash_attn_ext's up to rounding.
+    //
+    // q:    F32 [D, n_tokens, n_head, ns]   ggml_flash_attn_ext's q (any strides), n_head % n_head_kv == 0
+    // k:    [D, n_kv, n_head_kv, ns]         any type with to_float, any strides; v: [D_v, n_kv, n_head_kv, ns] likewise
+    // mask: F16 [n_kv, >= n_tokens, 1, nm]   ns % nm == 0; -INFINITY excludes a cell
+    // res:  F32, read through the views below: the output [D_v, n_head, n_tokens, ns] (ggml_flash_attn_ext's layout),
+    //       the evidence [n_kv, n_head_kv, ns], and with key_norms the norms [n_head_kv, n_kv, ns]
+    GGML_API struct ggml_tensor * ggml_sfi_flash_attn_evidence(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * q,
+            struct ggml_tensor  * k,
+            struct ggml_tensor  * v,
+            struct ggml_tensor  * mask,
+            float                 scale,
+            float                 softcap,
+            float                 alpha,
+            bool                  key_norms);
+
+    GGML_API struct ggml_tensor * ggml_sfi_flash_attn_evidence_output   (struct ggml_context * ctx, struct ggml_tensor * res);
+    GGML_API struct ggml_tensor * ggml_sfi_flash_attn_evidence_values   (struct ggml_context * ctx, struct ggml_tensor * res);
+    GGML_API struct ggml_tensor * ggml_sfi_flash_attn_evidence_key_norms(struct ggml_context * ctx, struct ggml_tensor * res);
+
     // views of a ggml_sfi_evidence result: the evidence F32 [n_kv, n_head_kv, nb], and the key norms F32
     // [n_head_kv, n_kv, nb] (the op computed them: key_norms)
     GGML_API struct ggml_tensor * ggml_sfi_evidence_values(struct ggml_context * ctx, struct ggml_tensor * res);

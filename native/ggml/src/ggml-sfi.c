@@ -134,3 +134,74 @@ struct ggml_tensor * ggml_sfi_copy_rows(
 
     return result;
 }
+
+// the sections of a ggml_sfi_flash_attn_evidence result, in floats: the output, the evidence, the key norms
+static int64_t sfi_fae_n_out(const struct ggml_tensor * res) {
+    const struct ggml_tensor * q = res->src[0];
+    const struct ggml_tensor * v = res->src[2];
+    return v->ne[0]*q->ne[2]*q->ne[1]*q->ne[3];
+}
+
+static int64_t sfi_fae_n_evid(const struct ggml_tensor * res) {
+    const struct ggml_tensor * k = res->src[1];
+    return k->ne[1]*k->ne[2]*k->ne[3];
+}
+
+struct ggml_tensor * ggml_sfi_flash_attn_evidence(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * q,
+        struct ggml_tensor  * k,
+        struct ggml_tensor  * v,
+        struct ggml_tensor  * mask,
+        float                 scale,
+        float                 softcap,
+        float                 alpha,
+        bool                  key_norms) {
+    GGML_ASSERT(q->type == GGML_TYPE_F32 && mask->type == GGML_TYPE_F16);
+    GGML_ASSERT(q->ne[0] == k->ne[0] && k->ne[1] == v->ne[1] && k->ne[2] == v->ne[2] && k->ne[3] == v->ne[3]);
+    GGML_ASSERT(q->ne[2] % k->ne[2] == 0 && q->ne[3] == k->ne[3]);
+    GGML_ASSERT(mask->ne[0] == k->ne[1] && mask->ne[1] >= q->ne[1] && mask->ne[2] == 1 && q->ne[3] % mask->ne[3] == 0);
+    GGML_ASSERT(alpha > 0.0f && softcap >= 0.0f);
+
+    const int64_t n_out  = v->ne[0]*q->ne[2]*q->ne[1]*q->ne[3];
+    const int64_t n_evid = k->ne[1]*k->ne[2]*k->ne[3];
+
+    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_out + n_evid*(key_norms ? 2 : 1));
+
+    int32_t params[4] = { 0, 0, 0, key_norms };
+    memcpy(params + 0, &scale,   sizeof(float));
+    memcpy(params + 1, &softcap, sizeof(float));
+    memcpy(params + 2, &alpha,   sizeof(float));
+    ggml_set_op_params(result, params, sizeof(params));
+
+    result->op     = GGML_OP_SFI_FLASH_ATTN_EVIDENCE;
+    result->src[0] = q;
+    result->src[1] = k;
+    result->src[2] = v;
+    result->src[3] = mask;
+
+    return result;
+}
+
+struct ggml_tensor * ggml_sfi_flash_attn_evidence_output(struct ggml_context * ctx, struct ggml_tensor * res) {
+    GGML_ASSERT(res->op == GGML_OP_SFI_FLASH_ATTN_EVIDENCE);
+    const struct ggml_tensor * q = res->src[0];
+    const struct ggml_tensor * v = res->src[2];
+    const size_t nb1 = v->ne[0]*sizeof(float);
+    return ggml_view_4d(ctx, res, v->ne[0], q->ne[2], q->ne[1], q->ne[3], nb1, nb1*q->ne[2], nb1*q->ne[2]*q->ne[1], 0);
+}
+
+struct ggml_tensor * ggml_sfi_flash_attn_evidence_values(struct ggml_context * ctx, struct ggml_tensor * res) {
+    GGML_ASSERT(res->op == GGML_OP_SFI_FLASH_ATTN_EVIDENCE);
+    const struct ggml_tensor * k = res->src[1];
+    const size_t nb1 = k->ne[1]*sizeof(float);
+    return ggml_view_3d(ctx, res, k->ne[1], k->ne[2], k->ne[3], nb1, nb1*k->ne[2], sfi_fae_n_out(res)*sizeof(float));
+}
+
+struct ggml_tensor * ggml_sfi_flash_attn_evidence_key_norms(struct ggml_context * ctx, struct ggml_tensor * res) {
+    GGML_ASSERT(res->op == GGML_OP_SFI_FLASH_ATTN_EVIDENCE && ggml_get_op_params_i32(res, 3));
+    const struct ggml_tensor * k = res->src[1];
+    const size_t nb1 = k->ne[2]*sizeof(float);
+    return ggml_view_3d(ctx, res, k->ne[2], k->ne[1], k->ne[3], nb1, nb1*k->ne[1],
+            (sfi_fae_n_out(res) + sfi_fae_n_evid(res))*sizeof(float));
+}

@@ -22,8 +22,22 @@ static size_t sfi_evidence_bytes_per_thread(const ggml_tensor * dst) {
             CACHE_LINE_SIZE);
 }
 
+// per thread: the scores of every query row of a GQA group, a key and a value as F32, the rows' outputs, the scaled
+// query rows, and those in the keys' vec_dot type
+static size_t sfi_fae_bytes_per_thread(const ggml_tensor * dst) {
+    const ggml_tensor * q = dst->src[0];
+    const ggml_tensor * k = dst->src[1];
+    const ggml_tensor * v = dst->src[2];
+    const int64_t n_q = q->ne[1]*(q->ne[2]/k->ne[2]);
+    const ggml_type vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
+    return GGML_PAD(sizeof(float)*(n_q*k->ne[1] + k->ne[0] + v->ne[0] + n_q*v->ne[0] + n_q*q->ne[0]) +
+            ggml_row_size(vec_dot_type, q->ne[0])*n_q, CACHE_LINE_SIZE);
+}
+
 size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
     switch (node->op) {
+        case GGML_OP_SFI_FLASH_ATTN_EVIDENCE:
+            return sfi_fae_bytes_per_thread(node)*n_tasks;
         case GGML_OP_SFI_EVIDENCE:
             return sfi_evidence_bytes_per_thread(node)*n_tasks;
         case GGML_OP_SFI_TOP_K:
@@ -309,5 +323,162 @@ void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml
 
         memcpy((char *) dst->data + sl[i]*dst->nb[1] + j*dst->nb[2] + l*dst->nb[3],
                (const char *) src->data + c*src->nb[1] + j*src->nb[2] + l*src->nb[3], row);
+    }
+}
+
+// one thread per (KV head, stream) pair at a time: the scores of the group's query rows over every cell, their max and
+// sum, then each row's output and every cell's evidence. The scores as ggml's flash attention defines them,
+// softcap*tanh(scale/softcap*q.k) + mask, with ggml_sfi_evidence's products: the scaled query rows in the keys'
+// vec_dot type, so that the evidence is that op's
+void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * q    = dst->src[0];
+    const ggml_tensor * k    = dst->src[1];
+    const ggml_tensor * v    = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+
+    const float scale   = ggml_get_op_params_f32(dst, 0);
+    const float softcap = ggml_get_op_params_f32(dst, 1);
+    const float alpha   = ggml_get_op_params_f32(dst, 2);
+    const bool  norms   = ggml_get_op_params_i32(dst, 3) != 0;
+
+    const int64_t D         = q->ne[0];
+    const int64_t Dv        = v->ne[0];
+    const int64_t n_tokens  = q->ne[1];
+    const int64_t n_head    = q->ne[2];
+    const int64_t ns        = q->ne[3];
+    const int64_t n_kv      = k->ne[1];
+    const int64_t n_head_kv = k->ne[2];
+    const int64_t n_gqa     = n_head/n_head_kv;
+    const int64_t n_q       = n_gqa*n_tokens;
+
+    GGML_ASSERT(q->nb[0] == sizeof(float) && dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const ggml_to_float_t k_to_float = ggml_get_type_traits(k->type)->to_float;
+    const ggml_to_float_t v_to_float = ggml_get_type_traits(v->type)->to_float;
+    GGML_ASSERT((k->type == GGML_TYPE_F32 || k_to_float) && (v->type == GGML_TYPE_F32 || v_to_float));
+
+    float * out  = (float *) dst->data;
+    float * evid = out  + Dv*n_head*n_tokens*ns;
+    float * kn   = evid + n_kv*n_head_kv*ns;
+
+    const float s_scale = softcap > 0.0f ? scale/softcap : scale;
+
+    const auto *    k_traits     = ggml_get_type_traits_cpu(k->type);
+    const ggml_type vec_dot_type = k_traits->vec_dot_type;
+    const auto *    q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
+    GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
+
+    const size_t q_row_size = ggml_row_size(vec_dot_type, D);
+
+    float * scores = (float *) ((char *) params->wdata + params->ith*sfi_fae_bytes_per_thread(dst)); // [n_q][n_kv]
+    float * kf     = scores + n_q*n_kv;
+    float * vf     = kf + D;
+    float * acc    = vf + Dv;       // [n_q][Dv]
+    float * q_sc   = acc + n_q*Dv;  // [n_q][D]
+    char  * q_conv = (char *) (q_sc + n_q*D);
+
+    auto row_of = [&](const ggml_tensor * t, int64_t c, int64_t h, int64_t b, float * buf, ggml_to_float_t to_float) {
+        const char * p = (const char *) t->data + c*t->nb[1] + h*t->nb[2] + b*t->nb[3];
+        if (t->type == GGML_TYPE_F32) {
+            return (const float *) p;
+        }
+        to_float(p, buf, t->ne[0]);
+        return (const float *) buf;
+    };
+
+    for (int64_t pair = params->ith; pair < n_head_kv*ns; pair += params->nth) {
+        const int64_t h = pair % n_head_kv;
+        const int64_t b = pair / n_head_kv;
+
+        // row j = g*n_tokens + t: query head h*n_gqa + g at token t
+        auto q_row = [&](int64_t j) {
+            return (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] + (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3]);
+        };
+        auto mask_at = [&](int64_t c, int64_t j) {
+            const char * p = (const char *) mask->data + c*mask->nb[0] + (j % n_tokens)*mask->nb[1] + (b % mask->ne[3])*mask->nb[3];
+            return GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p);
+        };
+
+        for (int64_t j = 0; j < n_q; ++j) {
+            const float * qj = q_row(j);
+            for (int64_t d = 0; d < D; ++d) {
+                q_sc[j*D + d] = s_scale*qj[d];
+            }
+            if (vec_dot_type == GGML_TYPE_F32) {
+                memcpy(q_conv + j*q_row_size, q_sc + j*D, q_row_size);
+            } else {
+                q_traits->from_float(q_sc + j*D, q_conv + j*q_row_size, D);
+            }
+        }
+
+        for (int64_t c = 0; c < n_kv; ++c) {
+            const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
+            for (int64_t j = 0; j < n_q; ++j) {
+                float s = 0.0f;
+                k_traits->vec_dot(D, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+                if (softcap > 0.0f) {
+                    s = softcap*tanhf(s);
+                }
+                scores[j*n_kv + c] = s + mask_at(c, j);
+            }
+            if (norms) {
+                const float * kr = row_of(k, c, h, b, kf, k_to_float);
+                double sq = 0.0;
+                for (int64_t d = 0; d < D; ++d) {
+                    sq += (double) kr[d]*kr[d];
+                }
+                kn[(b*n_kv + c)*n_head_kv + h] = (float) std::sqrt(sq);
+            }
+        }
+
+        float * ev = evid + (b*n_head_kv + h)*n_kv;
+        std::fill(ev, ev + n_kv, 0.0f);
+        std::fill(acc, acc + n_q*Dv, 0.0f);
+
+        std::vector<float> inv_sum(n_q, 0.0f);
+        for (int64_t j = 0; j < n_q; ++j) {
+            float * sj = scores + j*n_kv;
+
+            float max = -INFINITY;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                max = std::max(max, sj[c]);
+            }
+            double sum = 0.0;
+            for (int64_t c = 0; c < n_kv; ++c) {
+                sj[c] = max == -INFINITY ? 0.0f : expf(sj[c] - max); // the row's weights from here on
+                sum += sj[c];
+            }
+            inv_sum[j] = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
+            // p^alpha
+            const float p_scale = inv_sum[j];
+            for (int64_t c = 0; c < n_kv; ++c) {
+                const float p = sj[c]*p_scale;
+                ev[c] += p > 0.0f ? powf(p, alpha) : 0.0f;
+            }
+        }
+
+        for (int64_t c = 0; c < n_kv; ++c) {
+            const float * vr = row_of(v, c, h, b, vf, v_to_float);
+            for (int64_t j = 0; j < n_q; ++j) {
+                const float w = scores[j*n_kv + c];
+                if (w == 0.0f) {
+                    continue;
+                }
+                float * a = acc + j*Dv;
+                for (int64_t d = 0; d < Dv; ++d) {
+                    a[d] += w*vr[d];
+                }
+            }
+        }
+
+        // [Dv, n_head, n_tokens, ns]; a row whose cells are all excluded gives zeros
+        for (int64_t j = 0; j < n_q; ++j) {
+            const int64_t head = h*n_gqa + j/n_tokens;
+            const int64_t t    = j % n_tokens;
+            float * o = out + ((b*n_tokens + t)*n_head + head)*Dv;
+            for (int64_t d = 0; d < Dv; ++d) {
+                o[d] = acc[j*Dv + d]*inv_sum[j];
+            }
+        }
     }
 }

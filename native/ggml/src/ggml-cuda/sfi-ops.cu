@@ -961,3 +961,383 @@ void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * d
     }
     CUDA_CHECK(cudaGetLastError());
 }
+
+// ggml_sfi_flash_attn_evidence for a decode step's few query rows per KV head (n_q = n_gqa*n_tokens <= NQ <= 8), F16
+// keys and values, in three kernels per chunk of (head, stream) pairs:
+//   partial:  the keys read as sfi_evidence_scores_warp reads them (a warp 32/NQ cells at a time, each lane D/32
+//             elements of a row), and each cell's value row; each warp keeps per query row a running max, sum and
+//             output over its cells (every lane the same max and sum, and its D/32 elements of the output), the block
+//             merges its warps' and writes that part, the scores and the key norms
+//   combine:  per query row, the blocks' parts merged into the output, and the row's max and sum^-alpha
+//   evidence: per cell, sfi_evidence_sum (ggml_sfi_evidence's)
+template <int D, int NQ>
+static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial(
+        const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ v, const char * __restrict__ mask,
+        float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ part_out, float * __restrict__ kn,
+        const int n_q, const int n_tokens, const int n_gqa, const int n_kv, const int n_head_kv, const int b0, const int nm,
+        const float s_scale, const float softcap,
+        const size_t nbq1, const size_t nbq2, const size_t nbq3,
+        const size_t nbk1, const size_t nbk2, const size_t nbk3,
+        const size_t nbv1, const size_t nbv2, const size_t nbv3,
+        const size_t nbm1, const size_t nbm3) {
+    constexpr int E   = D/WARP_SIZE;
+    constexpr int CPI = WARP_SIZE/NQ;
+    constexpr int N_WARPS = SFI_WARP_BLOCK_THREADS/WARP_SIZE;
+    constexpr int CELLS_PER_WARP = SFI_CELLS_PER_BLOCK/N_WARPS;
+    static_assert(CELLS_PER_WARP % CPI == 0, "a warp's cells come in whole iterations");
+
+    const int h    = blockIdx.x;
+    const int tile = blockIdx.y;
+    const int bl   = blockIdx.z;
+    const int b    = b0 + bl;
+
+    const int lane = threadIdx.x % WARP_SIZE;
+    const int warp = threadIdx.x / WARP_SIZE;
+
+    // the lane's elements of each query row, scaled (row j = g*n_tokens + t: query head h*n_gqa + g at token t)
+    float qr[NQ][E];
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+        const char * qj = q + (j % n_tokens)*nbq1 + (h*n_gqa + j/n_tokens)*nbq2 + b*nbq3;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            // rounded to F16 as ggml_sfi_evidence rounds them (its scores, and those of flash attention's F16 products)
+            qr[j][e] = j < n_q ? __half2float(__float2half_rn(s_scale*((const float *) qj)[lane*E + e])) : 0.0f;
+        }
+    }
+
+    const size_t pair = (size_t) bl*n_head_kv + h;
+
+    float * s_out = scores + pair*n_q*n_kv;
+    const char * k_base = k + h*nbk2 + b*nbk3 + lane*E*sizeof(half);
+    const char * v_base = v + h*nbv2 + b*nbv3 + lane*E*sizeof(half);
+    const char * m_base = mask + (b % nm)*nbm3;
+
+    const int my_row  = lane % NQ; // after the butterfly, lane l holds the score of (cell l/NQ, row l%NQ)
+    const int my_cell = lane / NQ;
+
+    __shared__ float p_s[N_WARPS][WARP_SIZE]; // the iteration's weights, [cell][row]
+
+    float m_run[NQ];   // per row, the same in every lane
+    float s_run[NQ];
+    float o_run[NQ][E];
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+        m_run[j] = -INFINITY;
+        s_run[j] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            o_run[j][e] = 0.0f;
+        }
+    }
+    float m_mine = -INFINITY; // m_run[my_row]
+
+    const int c_warp = tile*SFI_CELLS_PER_BLOCK + warp*CELLS_PER_WARP;
+
+    for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
+        const int c0 = c_warp + it;
+        if (c0 >= n_kv) {
+            break; // the same for the whole warp
+        }
+
+        half2 kh[CPI][E/2];
+        half2 vh[CPI][E/2];
+#pragma unroll
+        for (int i = 0; i < CPI; ++i) {
+            const int c = min(c0 + i, n_kv - 1);
+            if constexpr (E == 2) {
+                *(uint32_t *) kh[i] = *(const uint32_t *) (k_base + (size_t) c*nbk1);
+                *(uint32_t *) vh[i] = *(const uint32_t *) (v_base + (size_t) c*nbv1);
+            } else if constexpr (E == 4) {
+                *(uint2 *) kh[i] = *(const uint2 *) (k_base + (size_t) c*nbk1);
+                *(uint2 *) vh[i] = *(const uint2 *) (v_base + (size_t) c*nbv1);
+            } else {
+                *(uint4 *) kh[i] = *(const uint4 *) (k_base + (size_t) c*nbk1);
+                *(uint4 *) vh[i] = *(const uint4 *) (v_base + (size_t) c*nbv1);
+            }
+        }
+
+        float sv[WARP_SIZE];
+        float sq[CPI];
+#pragma unroll
+        for (int i = 0; i < CPI; ++i) {
+            float kf[E];
+#pragma unroll
+            for (int e = 0; e < E/2; ++e) {
+                const float2 f = __half22float2(kh[i][e]);
+                kf[2*e]     = f.x;
+                kf[2*e + 1] = f.y;
+            }
+            sq[i] = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                sq[i] += kf[e]*kf[e];
+            }
+#pragma unroll
+            for (int j = 0; j < NQ; ++j) {
+                float acc = 0.0f;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    acc += qr[j][e]*kf[e];
+                }
+                sv[i*NQ + j] = acc;
+            }
+        }
+
+        sfi_butterfly<WARP_SIZE/2>(sv, lane);
+
+        if (kn) {
+            sfi_butterfly<CPI/2>(sq, lane);
+#pragma unroll
+            for (int o = CPI; o < WARP_SIZE; o <<= 1) {
+                sq[0] += __shfl_xor_sync(0xffffffff, sq[0], o);
+            }
+            if (lane < CPI && c0 + lane < n_kv) {
+                kn[((size_t) b*n_kv + c0 + lane)*n_head_kv + h] = sqrtf(sq[0]);
+            }
+        }
+
+        const int c = c0 + my_cell;
+        float s = -INFINITY;
+        if (c < n_kv && my_row < n_q) {
+            s = softcap > 0.0f ? softcap*tanhf(sv[0]) : sv[0];
+            s += __half2float(*(const half *) (m_base + c*sizeof(half) + (my_row % n_tokens)*nbm1));
+            s_out[(size_t) my_row*n_kv + c] = s;
+        }
+
+        // the iteration's max of each row, then every row's in every lane
+        float m_it = s;
+#pragma unroll
+        for (int o = NQ; o < WARP_SIZE; o <<= 1) {
+            m_it = fmaxf(m_it, __shfl_xor_sync(0xffffffff, m_it, o));
+        }
+        m_mine = fmaxf(m_mine, m_it);
+        p_s[warp][lane] = s == -INFINITY ? 0.0f : expf(s - m_mine);
+
+        float corr[NQ];
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) {
+            const float m_new = fmaxf(m_run[j], __shfl_sync(0xffffffff, m_it, j));
+            corr[j]  = m_new == -INFINITY ? 1.0f : expf(m_run[j] - m_new);
+            m_run[j] = m_new;
+        }
+        __syncwarp();
+
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) {
+            s_run[j] *= corr[j];
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                o_run[j][e] *= corr[j];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < CPI; ++i) {
+            float vf[E];
+#pragma unroll
+            for (int e = 0; e < E/2; ++e) {
+                const float2 f = __half22float2(vh[i][e]);
+                vf[2*e]     = f.x;
+                vf[2*e + 1] = f.y;
+            }
+#pragma unroll
+            for (int j = 0; j < NQ; ++j) {
+                const float w = p_s[warp][i*NQ + j];
+                s_run[j] += w;
+#pragma unroll
+                for (int e = 0; e < E; ++e) {
+                    o_run[j][e] += w*vf[e];
+                }
+            }
+        }
+        __syncwarp();
+    }
+
+    // the block's part per row: the warps' merged
+    __shared__ float m_w[N_WARPS][NQ];
+    __shared__ float s_w[N_WARPS][NQ];
+    __shared__ float o_w[N_WARPS][NQ][D];
+#pragma unroll
+    for (int j = 0; j < NQ; ++j) {
+        if (lane == 0) {
+            m_w[warp][j] = m_run[j];
+            s_w[warp][j] = s_run[j];
+        }
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            o_w[warp][j][lane*E + e] = o_run[j][e];
+        }
+    }
+    __syncthreads();
+
+    const size_t part0 = (pair*gridDim.y + tile)*n_q;
+    for (int i = threadIdx.x; i < n_q*D; i += blockDim.x) {
+        const int j = i / D;
+        const int d = i % D;
+        float m = -INFINITY;
+#pragma unroll
+        for (int w = 0; w < N_WARPS; ++w) {
+            m = fmaxf(m, m_w[w][j]);
+        }
+        float sum = 0.0f;
+        float o   = 0.0f;
+        if (m != -INFINITY) {
+#pragma unroll
+            for (int w = 0; w < N_WARPS; ++w) {
+                const float f = m_w[w][j] == -INFINITY ? 0.0f : expf(m_w[w][j] - m);
+                sum += s_w[w][j]*f;
+                o   += o_w[w][j][d]*f;
+            }
+        }
+        part_out[(part0 + j)*D + d] = o;
+        if (d == 0) {
+            parts[part0 + j] = make_float2(m, sum);
+        }
+    }
+}
+
+// per query row (j, h, bl): the n_parts blocks' parts merged, the output written in ggml_flash_attn_ext's layout, and
+// the row's (max, sum^-alpha) for the evidence
+template <int D>
+static __global__ void __launch_bounds__(D) sfi_fae_combine(const float2 * __restrict__ parts, const float * __restrict__ part_out,
+        float * __restrict__ out, float2 * __restrict__ stats,
+        const int n_q, const int n_parts, const int n_tokens, const int n_gqa, const int n_head, const int b0, const float alpha) {
+    const int    j    = blockIdx.x;
+    const int    h    = blockIdx.y;
+    const int    bl   = blockIdx.z;
+    const size_t pair = (size_t) bl*gridDim.y + h;
+    const int    d    = threadIdx.x;
+
+    const float2 * p = parts    + pair*n_parts*n_q + j;
+    const float  * o = part_out + (pair*n_parts*n_q + j)*D + d;
+
+    float m = -INFINITY;
+    for (int i = 0; i < n_parts; ++i) {
+        m = fmaxf(m, p[(size_t) i*n_q].x);
+    }
+    float sum = 0.0f;
+    float acc = 0.0f;
+    if (m != -INFINITY) {
+        for (int i = 0; i < n_parts; ++i) {
+            const float2 pi = p[(size_t) i*n_q];
+            const float  f  = pi.x == -INFINITY ? 0.0f : expf(pi.x - m);
+            sum += pi.y*f;
+            acc += o[(size_t) i*n_q*D]*f;
+        }
+    }
+
+    const int b    = b0 + bl;
+    const int head = h*n_gqa + j/n_tokens;
+    const int t    = j % n_tokens;
+    out[(((size_t) b*n_tokens + t)*n_head + head)*D + d] = sum > 0.0f ? acc/sum : 0.0f;
+    if (d == 0) {
+        stats[pair*n_q + j] = make_float2(m, m == -INFINITY || sum <= 0.0f ? 0.0f : powf(sum, -alpha));
+    }
+}
+
+bool ggml_cuda_sfi_flash_attn_evidence_supported(const ggml_tensor * op) {
+    const ggml_tensor * q    = op->src[0];
+    const ggml_tensor * k    = op->src[1];
+    const ggml_tensor * v    = op->src[2];
+    const ggml_tensor * mask = op->src[3];
+
+    const int64_t D   = q->ne[0];
+    const int64_t n_q = q->ne[1]*(q->ne[2]/k->ne[2]);
+    if (k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || mask->type != GGML_TYPE_F16 || v->ne[0] != D) {
+        return false;
+    }
+    if ((D != 64 && D != 128 && D != 256) || n_q > 8 || q->nb[0] != sizeof(float) || mask->nb[0] != sizeof(half)) {
+        return false;
+    }
+    const size_t align = D/WARP_SIZE*sizeof(half); // a lane's load of a row
+    for (const ggml_tensor * t : { k, v }) {
+        if (t->nb[1] % align || t->nb[2] % align || t->nb[3] % align || t->view_offs % align) {
+            return false;
+        }
+    }
+    return (k->ne[1] + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK <= 65535 && q->ne[3] <= 65535;
+}
+
+template <int D>
+static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    const ggml_tensor * q    = dst->src[0];
+    const ggml_tensor * k    = dst->src[1];
+    const ggml_tensor * v    = dst->src[2];
+    const ggml_tensor * mask = dst->src[3];
+
+    const float scale   = ggml_get_op_params_f32(dst, 0);
+    const float softcap = ggml_get_op_params_f32(dst, 1);
+    const float alpha   = ggml_get_op_params_f32(dst, 2);
+    const bool  norms   = ggml_get_op_params_i32(dst, 3) != 0;
+
+    const int n_tokens  = (int) q->ne[1];
+    const int n_head    = (int) q->ne[2];
+    const int ns        = (int) q->ne[3];
+    const int n_kv      = (int) k->ne[1];
+    const int n_head_kv = (int) k->ne[2];
+    const int n_gqa     = n_head/n_head_kv;
+    const int n_q       = n_gqa*n_tokens;
+    const int n_parts   = (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK;
+
+    const float s_scale = softcap > 0.0f ? scale/softcap : scale;
+
+    float * out  = (float *) dst->data;
+    float * evid = out + (size_t) D*n_head*n_tokens*ns;
+    float * kn   = norms ? evid + (size_t) n_kv*n_head_kv*ns : nullptr;
+
+    cudaStream_t stream = ctx.stream();
+
+    // (head, stream) pairs a chunk holds the scores of
+    const size_t pair_bytes = (size_t) n_q*n_kv*sizeof(float);
+    const int    nbl_max    = (int) std::max<size_t>(1, std::min<size_t>(ns, SFI_SCORES_MAX_BYTES/(pair_bytes*n_head_kv)));
+
+    ggml_cuda_pool_alloc<float>  scores  (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q*n_kv);
+    ggml_cuda_pool_alloc<float2> parts   (ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q);
+    ggml_cuda_pool_alloc<float>  part_out(ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q*D);
+    ggml_cuda_pool_alloc<float2> stats   (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q);
+
+    for (int b0 = 0; b0 < ns; b0 += nbl_max) {
+        const int nbl = std::min(nbl_max, ns - b0);
+
+        const dim3 grid(n_head_kv, n_parts, nbl);
+        auto launch = [&](auto nq) {
+            constexpr int NQ = decltype(nq)::value;
+            sfi_fae_partial<D, NQ><<<grid, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+                (const char *) q->data, (const char *) k->data, (const char *) v->data, (const char *) mask->data,
+                scores.get(), parts.get(), part_out.get(), kn,
+                n_q, n_tokens, n_gqa, n_kv, n_head_kv, b0, (int) mask->ne[3], s_scale, softcap,
+                q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], v->nb[1], v->nb[2], v->nb[3],
+                mask->nb[1], mask->nb[3]);
+        };
+        if (n_q <= 1) {
+            launch(std::integral_constant<int, 1>());
+        } else if (n_q <= 2) {
+            launch(std::integral_constant<int, 2>());
+        } else if (n_q <= 4) {
+            launch(std::integral_constant<int, 4>());
+        } else {
+            launch(std::integral_constant<int, 8>());
+        }
+        CUDA_CHECK(cudaGetLastError());
+
+        sfi_fae_combine<D><<<dim3(n_q, n_head_kv, nbl), D, 0, stream>>>(
+            parts.get(), part_out.get(), out, stats.get(), n_q, n_parts, n_tokens, n_gqa, n_head, b0, alpha);
+
+        const dim3 grid_e((n_kv + SFI_EVIDENCE_THREADS - 1)/SFI_EVIDENCE_THREADS, n_head_kv, nbl);
+        sfi_evidence_sum<<<grid_e, SFI_EVIDENCE_THREADS, n_q*sizeof(float2), stream>>>(
+            scores.get(), stats.get(), evid, n_q, n_kv, n_head_kv, b0, alpha);
+        CUDA_CHECK(cudaGetLastError());
+    }
+}
+
+void ggml_cuda_op_sfi_flash_attn_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    GGML_ASSERT(ggml_cuda_sfi_flash_attn_evidence_supported(dst));
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    switch (dst->src[0]->ne[0]) {
+        case  64: sfi_fae_launch< 64>(ctx, dst); break;
+        case 128: sfi_fae_launch<128>(ctx, dst); break;
+        case 256: sfi_fae_launch<256>(ctx, dst); break;
+        default: GGML_ABORT("unsupported head size");
+    }
+}
