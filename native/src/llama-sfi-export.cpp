@@ -198,7 +198,10 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
     ggml_tensor * evid_rows = evid ? rows_per_cell(evid) : nullptr;
 
     ggml_tensor * score = ggml_sum_rows(ctx, evid_rows ? evid_rows : mass_rows); // [1, n_kv, ns]
-    ggml_tensor * cells = ggml_top_k(ctx, ggml_reshape_2d(ctx, score, ex.n_kv, ex.ns), ex.n_cand); // I32 [n_cand, ns]
+    // I32 [n_cand, ns], by a selection where the keys' backend has it (ggml's top-k is a heap: ~60 ms per slow step for
+    // the default model's 24 layers at 16K cells on two CPU cores)
+    ggml_tensor * cells = llama_sfi_top_k(ctx, ggml_reshape_2d(ctx, score, ex.n_kv, ex.ns), (int) ex.n_cand, false,
+            ex.view.cache_k_of(ex.il));
     ex.output(cells, "sfi_cells", ex.res.cells);
 
     auto at_cells = [&](ggml_tensor * rows) { // [n_head_kv, n_kv, ns] -> [n_cand, n_head_kv, ns]

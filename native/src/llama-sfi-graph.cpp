@@ -43,6 +43,14 @@ bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage)
     return ggml_backend_dev_supports_op(dev, op);
 }
 
+ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage) {
+    ggml_tensor * t = ggml_sfi_top_k(ctx, a, k);
+    if (llama_sfi_backend_runs(t, storage)) {
+        return t;
+    }
+    return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
+}
+
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
     ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
     if (!llama_sfi_backend_runs(t, src)) {

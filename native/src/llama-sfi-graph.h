@@ -68,6 +68,10 @@ struct llama_sfi_graph_result {
 // definition (RPC always takes the composite ops; so does every backend with LLAMA_SFI_FUSED=0)
 bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage);
 
+// the indices of the k best of each row of a: ggml_sfi_top_k (a selection, in increasing order) where the backend of
+// storage has it, else ggml's top-k ops (argsort_top_k, the best first, when sorted_fallback)
+ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage);
+
 // dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where the backend of src has it, else
 // get_rows then set_rows
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);

@@ -46,16 +46,6 @@ static ggml_tensor * llama_sfi_selector_evidence(
     return llama_sfi_stack(ex.ctx, evids, 3);
 }
 
-// the indices of the k best of each row of a, as ggml_sfi_top_k (a selection) where the backend of storage has it, else
-// by ggml's top-k ops (the best first)
-static ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage) {
-    ggml_tensor * t = ggml_sfi_top_k(ctx, a, k);
-    if (llama_sfi_backend_runs(t, storage)) {
-        return t;
-    }
-    return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
-}
-
 // the evidence [n_kv, 1, n_head_kv, n*ns] and the key norms [n_head_kv, n_kv, n*ns] of n layers as ggml_sfi_evidence
 // ops: qs[l] the layers' scaled queries [n_embd_head, n_q, n_head_kv, ns], k4 the keys of all n as
 // [n_embd_head, n_kv, n_head_kv, n] (one op; ns 1) or nullptr, ks[l] each layer's [n_embd_head, n_head_kv, n_kv, ns]
