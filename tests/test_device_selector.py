@@ -46,6 +46,17 @@ def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True, type_kv
     return pair, toks[n_prompt:]
 
 
+def device_selector_slow_step(ctx, token, n_cand, capture) -> SFINative:
+    """A slow step of ctx with the device Selector over n_cand candidates, the ops capture saw before it forgotten."""
+    sfi = SFINative(ctx.ctx)
+    sfi.set_n_candidates(n_cand)
+    sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
+    sfi.set_mode(sfi.SLOW)
+    capture.ops.clear()
+    ctx.decode([token])
+    return sfi
+
+
 def host_export(full: SFINative, n_head: int) -> AttentionExport:
     mass = full.mass()
     return AttentionExport(mass=mass, evidence=full.evidence(), key_norms=full.key_norms(),
@@ -294,12 +305,7 @@ def test_the_attention_gives_the_evidence_where_asked(tiny):
     capture = Capture(["sfi_fae", "sfi_evidence"])
     (c, d), token = prefilled_pair(tiny, 300, seed=10, capture=capture)
     try:
-        sfi = SFINative(d.ctx)
-        sfi.set_n_candidates(128)
-        sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
-        sfi.set_mode(sfi.SLOW)
-        capture.ops.clear()
-        d.decode([token[0]])
+        sfi = device_selector_slow_step(d, token[0], 128, capture)
         ops = {op for ops in capture.ops.values() for op in ops} - {"VIEW", "RESHAPE"}  # the views of their results
         if os.environ.get("LLAMA_SFI_FUSED") == "0":
             expected = set()  # the composite ops
@@ -321,12 +327,7 @@ def test_the_gathers_copy_rows_as_they_are(tiny):
     capture = Capture(["sfi_gather"])
     (c, d), token = prefilled_pair(tiny, 500, seed=8, capture=capture)
     try:
-        sfi = SFINative(d.ctx)
-        sfi.set_n_candidates(256)
-        sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
-        sfi.set_mode(sfi.SLOW)
-        capture.ops.clear()
-        d.decode([token[0]])
+        sfi = device_selector_slow_step(d, token[0], 256, capture)
         assert capture.ops == {"sfi_gather": expected}  # the slow step gathered its own selection
         selected = sfi.selection()
         sfi.load_selection()

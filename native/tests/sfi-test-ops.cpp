@@ -211,6 +211,19 @@ static double nmse(const std::vector<float> & a, const std::vector<float> & ref)
 }
 
 // the op at a slow step's shape on backend, timed: milliseconds per op and the keys' bytes read per second
+// ms per compute of gf on backend, over n_iter runs after 3
+static double time_graph(ggml_backend_t backend, ggml_cgraph * gf, int n_iter) {
+    for (int i = 0; i < 3; ++i) {
+        ggml_backend_graph_compute(backend, gf);
+    }
+    const int64_t t0 = ggml_time_us();
+    for (int i = 0; i < n_iter; ++i) {
+        ggml_backend_graph_compute(backend, gf);
+    }
+    ggml_backend_synchronize(backend);
+    return (ggml_time_us() - t0)/1000.0/n_iter;
+}
+
 static void perf(ggml_backend_t backend, int64_t n_kv) {
     const int64_t D = 128, n_q = 4, n_head_kv = 8, nb = 36;
 
@@ -244,16 +257,7 @@ static void perf(ggml_backend_t backend, int64_t n_kv) {
 
     ggml_cgraph * gf = ggml_new_graph(ctx);
     ggml_build_forward_expand(gf, out);
-    for (int i = 0; i < 3; ++i) {
-        ggml_backend_graph_compute(backend, gf);
-    }
-    const int n_iter = 20;
-    const int64_t t0 = ggml_time_us();
-    for (int i = 0; i < n_iter; ++i) {
-        ggml_backend_graph_compute(backend, gf);
-    }
-    ggml_backend_synchronize(backend);
-    const double ms = (ggml_time_us() - t0)/1000.0/n_iter;
+    const double ms = time_graph(backend, gf, 20);
     printf("perf %s: sfi_evidence n_kv %lld x %lld heads x %lld layers, %lld query rows: %.3f ms, keys at %.0f GB/s\n",
             ggml_backend_name(backend), (long long) n_kv, (long long) n_head_kv, (long long) nb, (long long) n_q, ms,
             ggml_nbytes(k_store)/(ms*1e6));
@@ -316,21 +320,9 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
     }
     ggml_backend_tensor_memset(mask, 0, 0, ggml_nbytes(mask));
 
-    auto time_graph = [&](ggml_cgraph * gf) {
-        for (int i = 0; i < 3; ++i) {
-            ggml_backend_graph_compute(backend, gf);
-        }
-        const int n_iter = 10;
-        const int64_t t0 = ggml_time_us();
-        for (int i = 0; i < n_iter; ++i) {
-            ggml_backend_graph_compute(backend, gf);
-        }
-        ggml_backend_synchronize(backend);
-        return (ggml_time_us() - t0)/1000.0/n_iter;
-    };
-    const double ms_fa  = time_graph(g_fa);
-    const double ms_ev  = time_graph(g_ev);
-    const double ms_fae = time_graph(g_fae);
+    const double ms_fa  = time_graph(backend, g_fa,  10);
+    const double ms_ev  = time_graph(backend, g_ev,  10);
+    const double ms_fae = time_graph(backend, g_fae, 10);
     const double gb = 2.0*n_layers*ggml_nbytes(ks[0])/1e9;
     printf("perf %s: attention of %lld layers over n_kv %lld: flash attention %.3f ms (K+V at %.0f GB/s), + sfi_evidence %.3f ms, "
            "sfi_flash_attn_evidence %.3f ms (K+V at %.0f GB/s)\n", ggml_backend_name(backend), (long long) n_layers,

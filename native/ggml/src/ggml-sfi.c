@@ -135,15 +135,12 @@ struct ggml_tensor * ggml_sfi_copy_rows(
     return result;
 }
 
-// the sections of a ggml_sfi_flash_attn_evidence result, in floats: the output, the evidence, the key norms
-static int64_t sfi_fae_n_out(const struct ggml_tensor * res) {
-    const struct ggml_tensor * q = res->src[0];
-    const struct ggml_tensor * v = res->src[2];
+// the sections of a ggml_sfi_flash_attn_evidence result, in floats: the output, the evidence (the key norms as many)
+static int64_t sfi_fae_n_out(const struct ggml_tensor * q, const struct ggml_tensor * v) {
     return v->ne[0]*q->ne[2]*q->ne[1]*q->ne[3];
 }
 
-static int64_t sfi_fae_n_evid(const struct ggml_tensor * res) {
-    const struct ggml_tensor * k = res->src[1];
+static int64_t sfi_fae_n_evid(const struct ggml_tensor * k) {
     return k->ne[1]*k->ne[2]*k->ne[3];
 }
 
@@ -163,10 +160,7 @@ struct ggml_tensor * ggml_sfi_flash_attn_evidence(
     GGML_ASSERT(mask->ne[0] == k->ne[1] && mask->ne[1] >= q->ne[1] && mask->ne[2] == 1 && q->ne[3] % mask->ne[3] == 0);
     GGML_ASSERT(alpha > 0.0f && softcap >= 0.0f);
 
-    const int64_t n_out  = v->ne[0]*q->ne[2]*q->ne[1]*q->ne[3];
-    const int64_t n_evid = k->ne[1]*k->ne[2]*k->ne[3];
-
-    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n_out + n_evid*(key_norms ? 2 : 1));
+    struct ggml_tensor * result = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, sfi_fae_n_out(q, v) + sfi_fae_n_evid(k)*(key_norms ? 2 : 1));
 
     int32_t params[4] = { 0, 0, 0, key_norms };
     memcpy(params + 0, &scale,   sizeof(float));
@@ -195,7 +189,7 @@ struct ggml_tensor * ggml_sfi_flash_attn_evidence_values(struct ggml_context * c
     GGML_ASSERT(res->op == GGML_OP_SFI_FLASH_ATTN_EVIDENCE);
     const struct ggml_tensor * k = res->src[1];
     const size_t nb1 = k->ne[1]*sizeof(float);
-    return ggml_view_3d(ctx, res, k->ne[1], k->ne[2], k->ne[3], nb1, nb1*k->ne[2], sfi_fae_n_out(res)*sizeof(float));
+    return ggml_view_3d(ctx, res, k->ne[1], k->ne[2], k->ne[3], nb1, nb1*k->ne[2], sfi_fae_n_out(res->src[0], res->src[2])*sizeof(float));
 }
 
 struct ggml_tensor * ggml_sfi_flash_attn_evidence_key_norms(struct ggml_context * ctx, struct ggml_tensor * res) {
@@ -203,5 +197,5 @@ struct ggml_tensor * ggml_sfi_flash_attn_evidence_key_norms(struct ggml_context 
     const struct ggml_tensor * k = res->src[1];
     const size_t nb1 = k->ne[2]*sizeof(float);
     return ggml_view_3d(ctx, res, k->ne[2], k->ne[1], k->ne[3], nb1, nb1*k->ne[1],
-            (sfi_fae_n_out(res) + sfi_fae_n_evid(res))*sizeof(float));
+            (sfi_fae_n_out(res->src[0], res->src[2]) + sfi_fae_n_evid(k))*sizeof(float));
 }

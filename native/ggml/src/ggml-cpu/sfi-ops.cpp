@@ -54,6 +54,53 @@ static float sfi_mask_value(const ggml_tensor * mask, int64_t c, int64_t r, int6
     return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p) : *(const float *) p;
 }
 
+// the products of a KV head's query rows with its keys as the evidence op takes them (and mul_mat and flash attention):
+// the rows, F32, converted to the keys' vec_dot type once, then one vec_dot per key and row
+struct sfi_key_products {
+    const ggml_type_traits_cpu * k_traits;
+    const ggml_type_traits_cpu * q_traits;
+    ggml_type vec_dot_type;
+    int64_t   n_embd;
+    size_t    q_row_size;
+
+    sfi_key_products(const ggml_tensor * k, int64_t n_embd) : n_embd(n_embd) {
+        k_traits     = ggml_get_type_traits_cpu(k->type);
+        vec_dot_type = k_traits->vec_dot_type;
+        q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
+        q_row_size   = ggml_row_size(vec_dot_type, n_embd);
+        GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
+    }
+
+    // query row qj as row j of q_conv
+    void set_row(char * q_conv, int64_t j, const float * qj) const {
+        if (vec_dot_type == GGML_TYPE_F32) {
+            memcpy(q_conv + j*q_row_size, qj, q_row_size);
+        } else {
+            q_traits->from_float(qj, q_conv + j*q_row_size, n_embd);
+        }
+    }
+
+    float dot(const char * k_row, const char * q_conv, int64_t j) const {
+        float s = 0.0f;
+        k_traits->vec_dot(n_embd, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+        return s;
+    }
+};
+
+// the norm of a key row of k's type (buf: n_embd floats, for a type other than F32)
+static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf) {
+    const float * x = (const float *) k_row;
+    if (k->type != GGML_TYPE_F32) {
+        ggml_get_type_traits(k->type)->to_float(k_row, buf, k->ne[0]);
+        x = buf;
+    }
+    double sq = 0.0;
+    for (int64_t d = 0; d < k->ne[0]; ++d) {
+        sq += (double) x[d]*x[d];
+    }
+    return (float) std::sqrt(sq);
+}
+
 // one thread per (head, batch) pair at a time: the scores of every row, their max and sum, then the evidence. The
 // products are the CPU's own (the query rows converted to the keys' vec_dot type, as mul_mat and flash attention do),
 // so the probabilities are those of the attention the step computed
@@ -77,39 +124,27 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
     GGML_ASSERT(k->nb[0] == ggml_type_size(k->type));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
 
-    const auto *    k_traits     = ggml_get_type_traits_cpu(k->type);
-    const ggml_type vec_dot_type = k_traits->vec_dot_type;
-    const auto *    q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
-    GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
-
-    const size_t q_row_size = ggml_row_size(vec_dot_type, n_embd);
+    const sfi_key_products products(k, n_embd);
 
     char  * work   = (char *) params->wdata + params->ith*sfi_evidence_bytes_per_thread(dst);
     float * scores = (float *) work;
     char  * q_conv = work + sizeof(float)*n_q*n_kv;
-    float * k_f32  = (float *) (q_conv + q_row_size*n_q);
+    float * k_f32  = (float *) (q_conv + products.q_row_size*n_q);
 
-    const ggml_to_float_t k_to_float = ggml_get_type_traits(k->type)->to_float;
-    GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || k_to_float);
+    GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float);
 
     for (int64_t pair = params->ith; pair < n_head_kv*nb; pair += params->nth) {
         const int64_t h = pair % n_head_kv;
         const int64_t b = pair / n_head_kv;
 
         for (int64_t j = 0; j < n_q; ++j) {
-            const float * qj = (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]);
-            if (vec_dot_type == GGML_TYPE_F32) {
-                memcpy(q_conv + j*q_row_size, qj, q_row_size);
-            } else {
-                q_traits->from_float(qj, q_conv + j*q_row_size, n_embd);
-            }
+            products.set_row(q_conv, j, (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]));
         }
 
         for (int64_t c = 0; c < n_kv; ++c) {
             const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
             for (int64_t j = 0; j < n_q; ++j) {
-                float s = 0.0f;
-                k_traits->vec_dot(n_embd, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+                float s = products.dot(k_row, q_conv, j);
                 if (softcap > 0.0f) {
                     s = softcap*tanhf(s);
                 }
@@ -117,17 +152,8 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
             }
             if (norms) {
                 // [n_head_kv, n_kv, nb] after the evidence
-                const float * x = (const float *) k_row;
-                if (k->type != GGML_TYPE_F32) {
-                    k_to_float(k_row, k_f32, n_embd);
-                    x = k_f32;
-                }
-                double sq = 0.0;
-                for (int64_t d = 0; d < n_embd; ++d) {
-                    sq += (double) x[d]*x[d];
-                }
                 float * kn = (float *) ((char *) dst->data + dst->nb[3]) + (b*n_kv + c)*n_head_kv + h;
-                *kn = (float) std::sqrt(sq);
+                *kn = sfi_key_norm(k, k_row, k_f32);
             }
         }
 
@@ -353,9 +379,8 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
 
     GGML_ASSERT(q->nb[0] == sizeof(float) && dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
 
-    const ggml_to_float_t k_to_float = ggml_get_type_traits(k->type)->to_float;
     const ggml_to_float_t v_to_float = ggml_get_type_traits(v->type)->to_float;
-    GGML_ASSERT((k->type == GGML_TYPE_F32 || k_to_float) && (v->type == GGML_TYPE_F32 || v_to_float));
+    GGML_ASSERT((k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float) && (v->type == GGML_TYPE_F32 || v_to_float));
 
     float * out  = (float *) dst->data;
     float * evid = out  + Dv*n_head*n_tokens*ns;
@@ -363,12 +388,7 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
 
     const float s_scale = softcap > 0.0f ? scale/softcap : scale;
 
-    const auto *    k_traits     = ggml_get_type_traits_cpu(k->type);
-    const ggml_type vec_dot_type = k_traits->vec_dot_type;
-    const auto *    q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
-    GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
-
-    const size_t q_row_size = ggml_row_size(vec_dot_type, D);
+    const sfi_key_products products(k, D);
 
     float * scores = (float *) ((char *) params->wdata + params->ith*sfi_fae_bytes_per_thread(dst)); // [n_q][n_kv]
     float * kf     = scores + n_q*n_kv;
@@ -377,13 +397,13 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
     float * q_sc   = acc + n_q*Dv;  // [n_q][D]
     char  * q_conv = (char *) (q_sc + n_q*D);
 
-    auto row_of = [&](const ggml_tensor * t, int64_t c, int64_t h, int64_t b, float * buf, ggml_to_float_t to_float) {
-        const char * p = (const char *) t->data + c*t->nb[1] + h*t->nb[2] + b*t->nb[3];
-        if (t->type == GGML_TYPE_F32) {
+    auto v_row = [&](int64_t c, int64_t h, int64_t b) {
+        const char * p = (const char *) v->data + c*v->nb[1] + h*v->nb[2] + b*v->nb[3];
+        if (v->type == GGML_TYPE_F32) {
             return (const float *) p;
         }
-        to_float(p, buf, t->ne[0]);
-        return (const float *) buf;
+        v_to_float(p, vf, Dv);
+        return (const float *) vf;
     };
 
     for (int64_t pair = params->ith; pair < n_head_kv*ns; pair += params->nth) {
@@ -404,30 +424,20 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
             for (int64_t d = 0; d < D; ++d) {
                 q_sc[j*D + d] = s_scale*qj[d];
             }
-            if (vec_dot_type == GGML_TYPE_F32) {
-                memcpy(q_conv + j*q_row_size, q_sc + j*D, q_row_size);
-            } else {
-                q_traits->from_float(q_sc + j*D, q_conv + j*q_row_size, D);
-            }
+            products.set_row(q_conv, j, q_sc + j*D);
         }
 
         for (int64_t c = 0; c < n_kv; ++c) {
             const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
             for (int64_t j = 0; j < n_q; ++j) {
-                float s = 0.0f;
-                k_traits->vec_dot(D, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+                float s = products.dot(k_row, q_conv, j);
                 if (softcap > 0.0f) {
                     s = softcap*tanhf(s);
                 }
                 scores[j*n_kv + c] = s + mask_at(c, j);
             }
             if (norms) {
-                const float * kr = row_of(k, c, h, b, kf, k_to_float);
-                double sq = 0.0;
-                for (int64_t d = 0; d < D; ++d) {
-                    sq += (double) kr[d]*kr[d];
-                }
-                kn[(b*n_kv + c)*n_head_kv + h] = (float) std::sqrt(sq);
+                kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, kf);
             }
         }
 
@@ -458,7 +468,7 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
         }
 
         for (int64_t c = 0; c < n_kv; ++c) {
-            const float * vr = row_of(v, c, h, b, vf, v_to_float);
+            const float * vr = v_row(c, h, b);
             for (int64_t j = 0; j < n_q; ++j) {
                 const float w = scores[j*n_kv + c];
                 if (w == 0.0f) {

@@ -153,6 +153,72 @@ static __device__ __forceinline__ void sfi_butterfly(float * v, const int lane) 
     }
 }
 
+// the lane's E elements of each of the CPI rows c0 .. c0+CPI-1 at base + c*nb1 (past n_kv, the last row again): all
+// the loads first
+template <int E, int CPI>
+static __device__ __forceinline__ void sfi_warp_load_rows(half2 (&rows)[CPI][E/2], const char * base, const int c0, const int n_kv,
+        const size_t nb1) {
+#pragma unroll
+    for (int i = 0; i < CPI; ++i) {
+        const int c = min(c0 + i, n_kv - 1);
+        if constexpr (E == 2) {
+            *(uint32_t *) rows[i] = *(const uint32_t *) (base + (size_t) c*nb1);
+        } else if constexpr (E == 4) {
+            *(uint2 *) rows[i] = *(const uint2 *) (base + (size_t) c*nb1);
+        } else {
+            *(uint4 *) rows[i] = *(const uint4 *) (base + (size_t) c*nb1);
+        }
+    }
+}
+
+// the products of NQ query rows with CPI keys, a lane's E elements of each: the 32 partial sums (cell*NQ + row) summed
+// over the warp, lane l then holding value l; and each key's partial sum of squares of the lane's elements in sq
+template <int E, int NQ, int CPI>
+static __device__ __forceinline__ void sfi_warp_scores(const float (&qr)[NQ][E], const half2 (&kh)[CPI][E/2],
+        float (&v)[WARP_SIZE], float (&sq)[CPI], const int lane) {
+#pragma unroll
+    for (int i = 0; i < CPI; ++i) {
+        float kf[E];
+#pragma unroll
+        for (int e = 0; e < E/2; ++e) {
+            const float2 f = __half22float2(kh[i][e]);
+            kf[2*e]     = f.x;
+            kf[2*e + 1] = f.y;
+        }
+        sq[i] = 0.0f;
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            sq[i] += kf[e]*kf[e];
+        }
+#pragma unroll
+        for (int j = 0; j < NQ; ++j) {
+            float acc = 0.0f;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                acc += qr[j][e]*kf[e];
+            }
+            v[i*NQ + j] = acc;
+        }
+    }
+
+    sfi_butterfly<WARP_SIZE/2>(v, lane);
+}
+
+// the norms of keys c0 .. c0+CPI-1 of (head h, batch b) from the lanes' partial sums of squares (sfi_warp_scores):
+// lane l sums cell l % CPI's (log2(CPI) halvings, then plain xors), lanes 0 .. CPI-1 write them
+template <int CPI>
+static __device__ __forceinline__ void sfi_warp_key_norms(float (&sq)[CPI], const int lane, float * kn, const int b, const int h,
+        const int c0, const int n_kv, const int n_head_kv) {
+    sfi_butterfly<CPI/2>(sq, lane);
+#pragma unroll
+    for (int o = CPI; o < WARP_SIZE; o <<= 1) {
+        sq[0] += __shfl_xor_sync(0xffffffff, sq[0], o);
+    }
+    if (lane < CPI && c0 + lane < n_kv) {
+        kn[((size_t) b*n_kv + c0 + lane)*n_head_kv + h] = sqrtf(sq[0]);
+    }
+}
+
 // the same for a decode step's few query rows (n_q <= NQ <= 8), as flash attention reads keys: a warp reads whole key
 // rows (each lane D/32 of a row's elements), the query rows in registers, 32/NQ cells at a time; the 32 partial
 // dot products of each lane (cells x rows) are summed over the warp by a butterfly that leaves lane l with value l
@@ -210,59 +276,15 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
     for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
         const int c0 = c_warp + it;
 
-        // the CPI keys' elements of this lane: all loads first
         half2 kh[CPI][E/2];
-#pragma unroll
-        for (int i = 0; i < CPI; ++i) {
-            const int c = min(c0 + i, n_kv - 1);
-            if constexpr (E == 2) {
-                *(uint32_t *) kh[i] = *(const uint32_t *) (k_base + (size_t) c*nbk1);
-            } else if constexpr (E == 4) {
-                *(uint2 *) kh[i] = *(const uint2 *) (k_base + (size_t) c*nbk1);
-            } else {
-                *(uint4 *) kh[i] = *(const uint4 *) (k_base + (size_t) c*nbk1);
-            }
-        }
+        sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
 
         float v[WARP_SIZE];
         float sq[CPI];
-#pragma unroll
-        for (int i = 0; i < CPI; ++i) {
-            float kf[E];
-#pragma unroll
-            for (int e = 0; e < E/2; ++e) {
-                const float2 f = __half22float2(kh[i][e]);
-                kf[2*e]     = f.x;
-                kf[2*e + 1] = f.y;
-            }
-            sq[i] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                sq[i] += kf[e]*kf[e];
-            }
-#pragma unroll
-            for (int j = 0; j < NQ; ++j) {
-                float acc = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    acc += qr[j][e]*kf[e];
-                }
-                v[i*NQ + j] = acc;
-            }
-        }
-
-        sfi_butterfly<WARP_SIZE/2>(v, lane);
+        sfi_warp_scores<E, NQ, CPI>(qr, kh, v, sq, lane);
 
         if (kn) {
-            // lane l: the sum of cell l % CPI's squares
-            sfi_butterfly<CPI/2>(sq, lane);
-#pragma unroll
-            for (int o = CPI; o < WARP_SIZE; o <<= 1) {
-                sq[0] += __shfl_xor_sync(0xffffffff, sq[0], o);
-            }
-            if (lane < CPI && c0 + lane < n_kv) {
-                kn[((size_t) b*n_kv + c0 + lane)*n_head_kv + h] = sqrtf(sq[0]);
-            }
+            sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
         }
 
         const int c = c0 + my_cell;
@@ -1042,59 +1064,15 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
 
         half2 kh[CPI][E/2];
         half2 vh[CPI][E/2];
-#pragma unroll
-        for (int i = 0; i < CPI; ++i) {
-            const int c = min(c0 + i, n_kv - 1);
-            if constexpr (E == 2) {
-                *(uint32_t *) kh[i] = *(const uint32_t *) (k_base + (size_t) c*nbk1);
-                *(uint32_t *) vh[i] = *(const uint32_t *) (v_base + (size_t) c*nbv1);
-            } else if constexpr (E == 4) {
-                *(uint2 *) kh[i] = *(const uint2 *) (k_base + (size_t) c*nbk1);
-                *(uint2 *) vh[i] = *(const uint2 *) (v_base + (size_t) c*nbv1);
-            } else {
-                *(uint4 *) kh[i] = *(const uint4 *) (k_base + (size_t) c*nbk1);
-                *(uint4 *) vh[i] = *(const uint4 *) (v_base + (size_t) c*nbv1);
-            }
-        }
+        sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
+        sfi_warp_load_rows<E, CPI>(vh, v_base, c0, n_kv, nbv1);
 
         float sv[WARP_SIZE];
         float sq[CPI];
-#pragma unroll
-        for (int i = 0; i < CPI; ++i) {
-            float kf[E];
-#pragma unroll
-            for (int e = 0; e < E/2; ++e) {
-                const float2 f = __half22float2(kh[i][e]);
-                kf[2*e]     = f.x;
-                kf[2*e + 1] = f.y;
-            }
-            sq[i] = 0.0f;
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                sq[i] += kf[e]*kf[e];
-            }
-#pragma unroll
-            for (int j = 0; j < NQ; ++j) {
-                float acc = 0.0f;
-#pragma unroll
-                for (int e = 0; e < E; ++e) {
-                    acc += qr[j][e]*kf[e];
-                }
-                sv[i*NQ + j] = acc;
-            }
-        }
-
-        sfi_butterfly<WARP_SIZE/2>(sv, lane);
+        sfi_warp_scores<E, NQ, CPI>(qr, kh, sv, sq, lane);
 
         if (kn) {
-            sfi_butterfly<CPI/2>(sq, lane);
-#pragma unroll
-            for (int o = CPI; o < WARP_SIZE; o <<= 1) {
-                sq[0] += __shfl_xor_sync(0xffffffff, sq[0], o);
-            }
-            if (lane < CPI && c0 + lane < n_kv) {
-                kn[((size_t) b*n_kv + c0 + lane)*n_head_kv + h] = sqrtf(sq[0]);
-            }
+            sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
         }
 
         const int c = c0 + my_cell;
