@@ -27,7 +27,7 @@ CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolat
     py-spy==0.4.3   # the server's (its other needs, anyio, h11, click, are in the GPU image); the host profiler
 "$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
 # the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
-if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*"; then
+if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*"; then
     mkdir -p .gpu/cupti "$tmp.cupti/x"
     for w in "$tmp.cupti"/*.whl; do (cd "$tmp.cupti/x" && unzip -q -o "$w"); done
     cp "$tmp.cupti/x/nvidia/cu13/lib/libcupti.so.13" .gpu/cupti/
