@@ -13,6 +13,7 @@ import os
 import numpy as np
 import pytest
 
+from sfi_gguf._native import llama_cpp
 from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
@@ -53,6 +54,7 @@ def device_selector_slow_step(ctx, token, n_cand, capture) -> SFINative:
     sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
     sfi.set_mode(sfi.SLOW)
     capture.ops.clear()
+    capture.all_ops.clear()
     ctx.decode([token])
     return sfi
 
@@ -307,11 +309,15 @@ def test_the_attention_gives_the_evidence_where_asked(tiny):
     try:
         sfi = device_selector_slow_step(d, token[0], 128, capture)
         ops = {op for ops in capture.ops.values() for op in ops} - {"VIEW", "RESHAPE"}  # the views of their results
+        fused = FA_EVIDENCE and os.environ.get("LLAMA_SFI_FUSED") != "0"
         if os.environ.get("LLAMA_SFI_FUSED") == "0":
             expected = set()  # the composite ops
         else:
-            expected = {"SFI_FLASH_ATTN_EVIDENCE"} if FA_EVIDENCE else {"SFI_EVIDENCE"}
+            expected = {"SFI_FLASH_ATTN_EVIDENCE"} if fused else {"SFI_EVIDENCE"}
         assert ops == expected, capture.ops
+        # the fused op replaces flash attention: it does not run next to it
+        n_layer = llama_cpp.llama_model_n_layer(tiny.ptr)
+        assert capture.all_ops["FLASH_ATTN_EXT"] == (0 if fused else n_layer), capture.all_ops
         assert sfi.selection() is not None
     finally:
         c.close()

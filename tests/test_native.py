@@ -7,6 +7,7 @@ Set SFI_TEST_NGL=99 to run them with the layers offloaded (CUDA build).
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import functools
 import os
@@ -70,11 +71,14 @@ class Capture:
         self.prefixes = tuple(p.encode() for p in prefixes)
         self.seen: dict[str, list[np.ndarray]] = {}
         self.ops: dict[str, set[str]] = {}  # the ops (ggml_op_name) of the nodes of each name, of any type
+        self.all_ops: collections.Counter = collections.Counter()  # the ops of every node computed, any name
         self.enabled = True
 
         def cb(t_ptr, ask, _user):
             t = ctypes.cast(t_ptr, ctypes.POINTER(ggml_tensor)).contents
             name = t.name
+            if ask and self.enabled:
+                self.all_ops[ggml_op_name(t.op)] += 1
             if ask and self.enabled and name.startswith(self.prefixes):
                 self.ops.setdefault(name.decode(), set()).add(ggml_op_name(t.op))
             want = self.enabled and name.startswith(self.prefixes) and t.type == 0

@@ -249,7 +249,19 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
     }
 
     ggml_tensor * op = ggml_sfi_flash_attn_evidence(ex.ctx, q, k, v, mask, scale, softcap, ex.view.params.evidence_alpha, true);
-    return llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il)) ? op : nullptr;
+    if (!llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il))) {
+        return nullptr;
+    }
+    // build_attn_mha has put flash attention in the graph already: the fused op takes its node, so that flash
+    // attention does not run as well, and attn, a view of that node, reads the fused op's output, which starts with
+    // flash attention's (same layout)
+    fa->type = op->type;
+    memcpy(fa->ne,        op->ne,        sizeof(fa->ne));
+    memcpy(fa->nb,        op->nb,        sizeof(fa->nb));
+    memcpy(fa->op_params, op->op_params, sizeof(fa->op_params));
+    memcpy(fa->src,       op->src,       sizeof(fa->src));
+    fa->op = op->op;
+    return fa;
 }
 
 ggml_tensor * llama_sfi_build_export(
@@ -361,8 +373,7 @@ ggml_tensor * llama_sfi_build_export(
     if (selects) {
         if (ggml_tensor * fae = fused ? llama_sfi_fused_attention(ex, attn) : nullptr) {
             ggml_format_name(fae, "sfi_fae-%d", il);
-            res.sel_fae[i] = fae;
-            attn = ggml_reshape_2d(ctx, ggml_sfi_flash_attn_evidence_output(ctx, fae), attn->ne[0], attn->ne[1]);
+            res.sel_fae[i] = fae; // attn now reads its output
         }
         llama_sfi_build_selection(ex);
     } else if (n_cand == 0) {

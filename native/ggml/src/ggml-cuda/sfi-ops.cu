@@ -987,9 +987,11 @@ void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * d
 // ggml_sfi_flash_attn_evidence for a decode step's few query rows per KV head (n_q = n_gqa*n_tokens <= NQ <= 8), F16
 // keys and values, in three kernels per chunk of (head, stream) pairs:
 //   partial:  the keys read as sfi_evidence_scores_warp reads them (a warp 32/NQ cells at a time, each lane D/32
-//             elements of a row), and each cell's value row; each warp keeps per query row a running max, sum and
-//             output over its cells (every lane the same max and sum, and its D/32 elements of the output), the block
-//             merges its warps' and writes that part, the scores and the key norms
+//             elements of a row), and each cell's value row; a block takes every gridDim.y-th tile of 256 cells (a
+//             few parts per pair keep the combine short: one part per tile made it slower than the attention), each
+//             warp keeps per query row a running max, sum and output over its cells (every lane the same max and
+//             sum, and its D/32 elements of the output), the block merges its warps' and writes that part, the
+//             scores and the key norms
 //   combine:  per query row, the blocks' parts merged into the output, and the row's max and sum^-alpha
 //   evidence: per cell, sfi_evidence_sum (ggml_sfi_evidence's)
 template <int D, int NQ>
@@ -1009,7 +1011,7 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
     static_assert(CELLS_PER_WARP % CPI == 0, "a warp's cells come in whole iterations");
 
     const int h    = blockIdx.x;
-    const int tile = blockIdx.y;
+    const int part = blockIdx.y;
     const int bl   = blockIdx.z;
     const int b    = b0 + bl;
 
@@ -1054,81 +1056,83 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
     }
     float m_mine = -INFINITY; // m_run[my_row]
 
-    const int c_warp = tile*SFI_CELLS_PER_BLOCK + warp*CELLS_PER_WARP;
+    for (int tile = part; tile*SFI_CELLS_PER_BLOCK < n_kv; tile += gridDim.y) {
+        const int c_warp = tile*SFI_CELLS_PER_BLOCK + warp*CELLS_PER_WARP;
 
-    for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
-        const int c0 = c_warp + it;
-        if (c0 >= n_kv) {
-            break; // the same for the whole warp
-        }
-
-        half2 kh[CPI][E/2];
-        half2 vh[CPI][E/2];
-        sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
-        sfi_warp_load_rows<E, CPI>(vh, v_base, c0, n_kv, nbv1);
-
-        float sv[WARP_SIZE];
-        float sq[CPI];
-        sfi_warp_scores<E, NQ, CPI>(qr, kh, sv, sq, lane);
-
-        if (kn) {
-            sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
-        }
-
-        const int c = c0 + my_cell;
-        float s = -INFINITY;
-        if (c < n_kv && my_row < n_q) {
-            s = softcap > 0.0f ? softcap*tanhf(sv[0]) : sv[0];
-            s += __half2float(*(const half *) (m_base + c*sizeof(half) + (my_row % n_tokens)*nbm1));
-            s_out[(size_t) my_row*n_kv + c] = s;
-        }
-
-        // the iteration's max of each row, then every row's in every lane
-        float m_it = s;
-#pragma unroll
-        for (int o = NQ; o < WARP_SIZE; o <<= 1) {
-            m_it = fmaxf(m_it, __shfl_xor_sync(0xffffffff, m_it, o));
-        }
-        m_mine = fmaxf(m_mine, m_it);
-        p_s[warp][lane] = s == -INFINITY ? 0.0f : expf(s - m_mine);
-
-        float corr[NQ];
-#pragma unroll
-        for (int j = 0; j < NQ; ++j) {
-            const float m_new = fmaxf(m_run[j], __shfl_sync(0xffffffff, m_it, j));
-            corr[j]  = m_new == -INFINITY ? 1.0f : expf(m_run[j] - m_new);
-            m_run[j] = m_new;
-        }
-        __syncwarp();
-
-#pragma unroll
-        for (int j = 0; j < NQ; ++j) {
-            s_run[j] *= corr[j];
-#pragma unroll
-            for (int e = 0; e < E; ++e) {
-                o_run[j][e] *= corr[j];
+        for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
+            const int c0 = c_warp + it;
+            if (c0 >= n_kv) {
+                break; // the same for the whole warp
             }
-        }
-#pragma unroll
-        for (int i = 0; i < CPI; ++i) {
-            float vf[E];
-#pragma unroll
-            for (int e = 0; e < E/2; ++e) {
-                const float2 f = __half22float2(vh[i][e]);
-                vf[2*e]     = f.x;
-                vf[2*e + 1] = f.y;
+
+            half2 kh[CPI][E/2];
+            half2 vh[CPI][E/2];
+            sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
+            sfi_warp_load_rows<E, CPI>(vh, v_base, c0, n_kv, nbv1);
+
+            float sv[WARP_SIZE];
+            float sq[CPI];
+            sfi_warp_scores<E, NQ, CPI>(qr, kh, sv, sq, lane);
+
+            if (kn) {
+                sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
             }
+
+            const int c = c0 + my_cell;
+            float s = -INFINITY;
+            if (c < n_kv && my_row < n_q) {
+                s = softcap > 0.0f ? softcap*tanhf(sv[0]) : sv[0];
+                s += __half2float(*(const half *) (m_base + c*sizeof(half) + (my_row % n_tokens)*nbm1));
+                s_out[(size_t) my_row*n_kv + c] = s;
+            }
+
+            // the iteration's max of each row, then every row's in every lane
+            float m_it = s;
+#pragma unroll
+            for (int o = NQ; o < WARP_SIZE; o <<= 1) {
+                m_it = fmaxf(m_it, __shfl_xor_sync(0xffffffff, m_it, o));
+            }
+            m_mine = fmaxf(m_mine, m_it);
+            p_s[warp][lane] = s == -INFINITY ? 0.0f : expf(s - m_mine);
+
+            float corr[NQ];
 #pragma unroll
             for (int j = 0; j < NQ; ++j) {
-                const float w = p_s[warp][i*NQ + j];
-                s_run[j] += w;
+                const float m_new = fmaxf(m_run[j], __shfl_sync(0xffffffff, m_it, j));
+                corr[j]  = m_new == -INFINITY ? 1.0f : expf(m_run[j] - m_new);
+                m_run[j] = m_new;
+            }
+            __syncwarp();
+
+#pragma unroll
+            for (int j = 0; j < NQ; ++j) {
+                s_run[j] *= corr[j];
 #pragma unroll
                 for (int e = 0; e < E; ++e) {
-                    o_run[j][e] += w*vf[e];
+                    o_run[j][e] *= corr[j];
                 }
             }
+#pragma unroll
+            for (int i = 0; i < CPI; ++i) {
+                float vf[E];
+#pragma unroll
+                for (int e = 0; e < E/2; ++e) {
+                    const float2 f = __half22float2(vh[i][e]);
+                    vf[2*e]     = f.x;
+                    vf[2*e + 1] = f.y;
+                }
+#pragma unroll
+                for (int j = 0; j < NQ; ++j) {
+                    const float w = p_s[warp][i*NQ + j];
+                    s_run[j] += w;
+#pragma unroll
+                    for (int e = 0; e < E; ++e) {
+                        o_run[j][e] += w*vf[e];
+                    }
+                }
+            }
+            __syncwarp();
         }
-        __syncwarp();
     }
 
     // the block's part per row: the warps' merged
@@ -1148,7 +1152,7 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
     }
     __syncthreads();
 
-    const size_t part0 = (pair*gridDim.y + tile)*n_q;
+    const size_t part0 = (pair*gridDim.y + part)*n_q;
     for (int i = threadIdx.x; i < n_q*D; i += blockDim.x) {
         const int j = i / D;
         const int d = i % D;
@@ -1255,7 +1259,7 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const int n_head_kv = (int) k->ne[2];
     const int n_gqa     = n_head/n_head_kv;
     const int n_q       = n_gqa*n_tokens;
-    const int n_parts   = (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK;
+    const int n_tiles   = (n_kv + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK;
 
     const float s_scale = softcap > 0.0f ? scale/softcap : scale;
 
@@ -1268,6 +1272,10 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     // (head, stream) pairs a chunk holds the scores of
     const size_t pair_bytes = (size_t) n_q*n_kv*sizeof(float);
     const int    nbl_max    = (int) std::max<size_t>(1, std::min<size_t>(ns, SFI_SCORES_MAX_BYTES/(pair_bytes*n_head_kv)));
+
+    // parts per (head, stream) pair: about four blocks per SM in all
+    const int nsm     = ggml_cuda_info().devices[ctx.device].nsm;
+    const int n_parts = std::max(1, std::min(n_tiles, (4*nsm + n_head_kv*nbl_max - 1)/(n_head_kv*nbl_max)));
 
     ggml_cuda_pool_alloc<float>  scores  (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q*n_kv);
     ggml_cuda_pool_alloc<float2> parts   (ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q);
