@@ -21,9 +21,10 @@ from sfi_gguf.tools.random_model import random_model
 from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
-# the slow step's attention as ggml_sfi_flash_attn_evidence (opt-in): its output equals flash attention's up to rounding,
-# so a slow step is then close to a dense one, not bit-identical, and later layers' queries differ as much
-FA_EVIDENCE = os.environ.get("LLAMA_SFI_FA_EVIDENCE") == "1"
+# the slow step's attention as ggml_sfi_flash_attn_evidence (by default on a GPU, LLAMA_SFI_FA_EVIDENCE=1 on the CPU):
+# its output equals flash attention's up to rounding, so a slow step is then close to a dense one, not bit-identical,
+# and later layers' queries differ as much
+FA_EVIDENCE = os.environ.get("LLAMA_SFI_FA_EVIDENCE", "1" if NGL > 0 else "0") == "1"
 FLASH_ATTN = [pytest.param(True, id="fa"), pytest.param(False, id="no_fa")]
 
 
@@ -301,9 +302,10 @@ def test_shared_cells_and_overlap(tiny):
 
 @pytest.mark.skipif(NGL > 0, reason="reads the graph's nodes on the host through cb_eval")
 def test_the_attention_gives_the_evidence_where_asked(tiny):
-    """With LLAMA_SFI_FA_EVIDENCE=1 every layer's attention in a slow step with the device Selector is
-    ggml_sfi_flash_attn_evidence, which also gives the Selector its evidence and key norms; by default it is
-    llama.cpp's flash attention, and the evidence comes from ggml_sfi_evidence (or composite ops, LLAMA_SFI_FUSED=0)."""
+    """With LLAMA_SFI_FA_EVIDENCE=1 (the default on a GPU) every layer's attention in a slow step with the device
+    Selector is ggml_sfi_flash_attn_evidence, which also gives the Selector its evidence and key norms; by default on
+    the CPU it is llama.cpp's flash attention, and the evidence comes from ggml_sfi_evidence (or composite ops,
+    LLAMA_SFI_FUSED=0)."""
     capture = Capture(["sfi_fae", "sfi_evidence"])
     (c, d), token = prefilled_pair(tiny, 300, seed=10, capture=capture)
     try:

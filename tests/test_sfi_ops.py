@@ -39,9 +39,10 @@ def test_device_selector_on_the_composite_ops():
 
 
 def test_device_selector_with_the_attention_giving_the_evidence():
-    """LLAMA_SFI_FA_EVIDENCE=1 (read once per process, so in a child process): each refreshed layer's flash attention
-    in a slow step is ggml_sfi_flash_attn_evidence, whose evidence and key norms the device Selector takes; its tests
-    again, with the tolerances of an attention that equals flash attention up to rounding."""
+    """LLAMA_SFI_FA_EVIDENCE=1 (read once per process, so in a child process; the default where the keys are on a
+    GPU, not on the CPU): each refreshed layer's flash attention in a slow step is ggml_sfi_flash_attn_evidence, whose
+    evidence and key norms the device Selector takes; its tests again, with the tolerances of an attention that equals
+    flash attention up to rounding."""
     env = dict(os.environ, LLAMA_SFI_FA_EVIDENCE="1")
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_device_selector.py"],
                          capture_output=True, text=True, env=env, timeout=1200, cwd=Path(__file__).resolve().parent.parent)

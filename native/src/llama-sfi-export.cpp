@@ -221,13 +221,18 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
 // the layer's flash attention (attn: build_attn_mha's output, a reshape of it) as ggml_sfi_flash_attn_evidence, which
 // also gives the device Selector the layer's evidence and key norms from its one read of the keys, where the keys'
 // backend has the op; nullptr where it does not apply (no flash attention, sinks, ALiBi, query rows that are not all
-// the step's tokens, V transposed). Opt-in (LLAMA_SFI_FA_EVIDENCE=1): its output equals flash attention's only up
-// to rounding, so a slow step is then no longer bit-identical to a dense one.
+// the step's tokens, V transposed). Its output equals flash attention's up to rounding, so such a slow step is not
+// bit-identical to a dense one. LLAMA_SFI_FA_EVIDENCE=1 takes it on every backend that has it, =0 on none; by default
+// on the keys of a device, not of the host: the CPU's op is the reference, and the CPU decodes faster without flash
+// attention anyway.
 static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex, ggml_tensor * attn) {
-    static const bool enabled = [] {
+    static const int wanted = [] { // 1, 0, or -1: by where the keys are
         const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
-        return env && strcmp(env, "1") == 0;
+        return env ? (strcmp(env, "1") == 0 ? 1 : 0) : -1;
     }();
+    const ggml_tensor * keys = ex.view.cache_k_of(ex.il);
+    keys = keys->view_src ? keys->view_src : keys;
+    const bool enabled = wanted == 1 || (wanted < 0 && keys->buffer && !ggml_backend_buffer_is_host(keys->buffer));
     ggml_tensor * fa = attn ? attn->view_src : nullptr;
     if (!enabled || !fa || fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[4] || ex.n_rows != ex.n_tps) {
         return nullptr;
