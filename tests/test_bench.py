@@ -94,11 +94,14 @@ def test_a_committed_trace_matches_the_bench_text_of_this_python(model):
         assert len(trace_top1(trace, depth, text[depth:depth + trace["n_decode"]])) == trace["n_decode"]
 
 
-def test_a_row_records_the_settings_that_differ_from_the_defaults(model):
+def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeypatch):
     # the CLI's defaults are SFIConfig's: a run without SFI flags has no overrides
     cli_default = sfi_config_from_args(build_parser().parse_args([]))
     assert cli_default == SFIConfig() and config_overrides(cli_default) == {}
     config = SFIConfig(k_head=64, n_recent=64, min_context=0, confidence_floor=0.0)
     assert config_overrides(config) == {"k_head": 64, "n_recent": 64, "min_context": 0, "confidence_floor": 0.0}
+    # the attention setting of the environment too (on the CPU "0" is the default's behaviour: nothing else changes)
+    monkeypatch.setenv("LLAMA_SFI_FA_EVIDENCE", "0")
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, log=lambda _: None)[0]
     assert row.config_overrides == config_overrides(config) and row.composite_ops is False
+    assert row.fa_evidence_env == "0"

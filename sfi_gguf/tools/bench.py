@@ -73,6 +73,8 @@ class BenchRow:
     confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
     config_overrides: dict = dataclasses.field(default_factory=dict)  # SFIConfig fields not at their defaults
     composite_ops: bool = False    # LLAMA_SFI_FUSED=0: the slow step's fused ops replaced by composite ones
+    fa_evidence_env: str | None = None  # LLAMA_SFI_FA_EVIDENCE as set ("0": a slow step's attention is flash
+    #                                     attention + the evidence op even on a GPU; None: the default)
 
 
 def config_overrides(config: SFIConfig) -> dict:
@@ -214,7 +216,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
                   refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
-                  composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0")
+                  composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0",
+                  fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"))
     return llm, config, depths, shared
 
 
