@@ -11,7 +11,7 @@
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
 #   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV),
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),, selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
-#   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase),
+#   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back) or .gpu-out/.
 set -uo pipefail
@@ -154,10 +154,10 @@ fi
 if [[ " $stages " == *" host-profile "* ]]; then
     log "where the host's time goes in sfi-gguf bench (py-spy --native; benchmarks/host_profile.py; Qwen3-4B shape, F16)"
     for d in ${SFI_PROFILE_DEPTHS:-32768 131072}; do
-        py-spy record --native -r 100 -f raw -o "$OUT/host-$d.txt" -- python3 -m sfi_gguf.cli bench -m qwen3-4b \
+        py-spy record --native -r ${SFI_PROFILE_RATE:-100} -f raw -o "$OUT/host-$d.txt" -- python3 -m sfi_gguf.cli bench -m qwen3-4b \
             --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 --depths $d -n ${SFI_BENCH_N:-256} \
             ${SFI_BENCH_ARGS:-} 2>&1 | grep -v "^load:" | tail -2
-        python3 benchmarks/host_profile.py "$OUT/host-$d.txt" --rate 100 --root "SFIStepper\.step" \
+        python3 benchmarks/host_profile.py "$OUT/host-$d.txt" --rate ${SFI_PROFILE_RATE:-100} --root "SFIStepper\.step" \
             --root "DenseStepper\.step" --root "LlamaContext\.last_logits" --top 30 \
             --json "$OUT/host_profile-h200-qwen3-4b-$d.json" > "$OUT/host_profile-$d.txt"
         head -120 "$OUT/host_profile-$d.txt"
