@@ -52,7 +52,8 @@ class Bench:
     def __init__(self, args):
         path = Path(args.model) if Path(args.model).suffix == ".gguf" else random_model(args.model)
         self.path = path
-        self.lc = LlamaContext(path, n_ctx=args.ctx + max(args.steps + 2 * args.warmup, (args.cycles + 1) * (args.cycle + 1)) + 64, n_gpu_layers=args.ngl,
+        n_steps = max(args.steps + 2 * args.warmup, (args.cycles + 1) * (args.cycle + 1))  # a series, or the cycles
+        self.lc = LlamaContext(path, n_ctx=args.ctx + n_steps + 64, n_gpu_layers=args.ngl,
                                n_threads=args.threads or None, n_batch=args.batch, flash_attn=not args.no_flash_attn, verbose=False,
                                type_kv=args.kv_type)
         self.ctx = self.lc.ctx

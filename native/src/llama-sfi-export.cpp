@@ -254,7 +254,7 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
     }
 
     ggml_tensor * op = ggml_sfi_flash_attn_evidence(ex.ctx, q, k, v, mask, scale, softcap, ex.view.params.evidence_alpha, true);
-    if (!llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il))) {
+    if (!llama_sfi_backend_runs(op, keys)) {
         return nullptr;
     }
     // build_attn_mha has put flash attention in the graph already: the fused op takes its node, so that flash

@@ -988,7 +988,7 @@ void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * d
 // keys and values, in three kernels per chunk of (head, stream) pairs:
 //   partial:  the keys read as sfi_evidence_scores_warp reads them (a warp 32/NQ cells at a time, each lane D/32
 //             elements of a row), and each cell's value row; a block takes every gridDim.y-th tile of 256 cells (a
-//             few parts per pair keep the combine short: one part per tile made it slower than the attention), each
+//             few parts per pair keep the combine short: merging one part per tile took as long as the attention), each
 //             warp keeps per query row a running max, sum and output over its cells (every lane the same max and
 //             sum, and its D/32 elements of the output), the block merges its warps' and writes that part, the
 //             scores and the key norms
