@@ -317,9 +317,12 @@ def test_the_attention_gives_the_evidence_where_asked(tiny):
         else:
             expected = {"SFI_FLASH_ATTN_EVIDENCE"} if fused else {"SFI_EVIDENCE"}
         assert ops == expected, capture.ops
-        # the fused op replaces flash attention: it does not run next to it
+        # the fused op replaces flash attention: it does not run next to it; the layers' evidence and key norms are
+        # stacked for the Selector by one copy each (a pad, then sets in place), not by concats
         n_layer = llama_cpp.llama_model_n_layer(tiny.ptr)
         assert capture.all_ops["FLASH_ATTN_EXT"] == (0 if fused else n_layer), capture.all_ops
+        if fused:
+            assert capture.all_ops["CONCAT"] == 0 and capture.all_ops["SET"] == 2 * (n_layer - 1), capture.all_ops
         assert sfi.selection() is not None
     finally:
         c.close()

@@ -12,6 +12,7 @@
 #include "ggml-sfi.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -48,7 +49,48 @@ ggml_tensor * llama_sfi_group_sum(ggml_context * ctx, ggml_tensor * p, int64_t n
     return rest ? ggml_add(ctx, p, rest) : p;
 }
 
-ggml_tensor * llama_sfi_stack(ggml_context * ctx, std::vector<ggml_tensor *> ts, int dim) {
+// ts stacked with one copy of each: the first padded with zeros to the whole, the others set into it in place;
+// nullptr where that does not apply (shapes, types, a dimension past dim that is not 1, offsets past set's int32
+// params) or the backend of storage lacks pad or set
+static ggml_tensor * llama_sfi_stack_in_place(ggml_context * ctx, const std::vector<ggml_tensor *> & ts, int dim,
+        const ggml_tensor * storage) {
+    const ggml_tensor * t0 = ts[0];
+    const size_t bytes = ggml_nbytes(t0);
+    if (bytes*ts.size() > (size_t) INT32_MAX) {
+        return nullptr;
+    }
+    for (const ggml_tensor * t : ts) {
+        if (t->type != GGML_TYPE_F32 || !ggml_are_same_shape(t, t0) || !ggml_is_contiguous(t)) {
+            return nullptr;
+        }
+    }
+    for (int d = dim + 1; d < GGML_MAX_DIMS; ++d) {
+        if (t0->ne[d] != 1) {
+            return nullptr; // the slices would not be contiguous blocks of the stack
+        }
+    }
+    int pad[GGML_MAX_DIMS] = {};
+    pad[dim] = (int) ((ts.size() - 1)*t0->ne[dim]);
+    ggml_tensor * stack = ggml_pad(ctx, ts[0], pad[0], pad[1], pad[2], pad[3]);
+    if (!llama_sfi_backend_runs(stack, storage)) {
+        return nullptr;
+    }
+    for (size_t l = 1; l < ts.size(); ++l) {
+        ggml_tensor * next = ggml_set_inplace(ctx, stack, ts[l], stack->nb[1], stack->nb[2], stack->nb[3], l*bytes);
+        if (l == 1 && !llama_sfi_backend_runs(next, storage)) {
+            return nullptr;
+        }
+        stack = next;
+    }
+    return stack;
+}
+
+ggml_tensor * llama_sfi_stack(ggml_context * ctx, std::vector<ggml_tensor *> ts, int dim, const ggml_tensor * storage) {
+    if (storage && ts.size() > 1) {
+        if (ggml_tensor * stack = llama_sfi_stack_in_place(ctx, ts, dim, storage)) {
+            return stack;
+        }
+    }
     while (ts.size() > 1) {
         std::vector<ggml_tensor *> next;
         for (size_t j = 0; j + 1 < ts.size(); j += 2) {

@@ -82,8 +82,9 @@ ggml_tensor * llama_sfi_group_sum(ggml_context * ctx, ggml_tensor * p, int64_t n
 // p^alpha
 ggml_tensor * llama_sfi_pow(ggml_context * ctx, ggml_tensor * p, float alpha);
 
-// ts joined along dim, in order, by a tree of concats (log2(n) copies of the whole instead of n)
-ggml_tensor * llama_sfi_stack(ggml_context * ctx, std::vector<ggml_tensor *> ts, int dim);
+// ts joined along dim, in order: with storage, by one copy of each where its backend can (pad, then set in place),
+// else by a tree of concats (log2(n) copies of the whole instead of n)
+ggml_tensor * llama_sfi_stack(ggml_context * ctx, std::vector<ggml_tensor *> ts, int dim, const ggml_tensor * storage = nullptr);
 
 // kn [n_head_kv, kv_size, ns] (llama_sfi_layer_export::kn) at the cells I32 [n, ns] of each stream -> [n, n_head_kv, ns]
 ggml_tensor * llama_sfi_key_norms_at(ggml_context * ctx, ggml_tensor * kn, ggml_tensor * cells);

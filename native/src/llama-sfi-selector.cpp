@@ -343,8 +343,10 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
                 evids.push_back(ggml_reshape_4d(ctx, e, e->ne[0], 1, e->ne[1], e->ne[2]));
                 norms.push_back(ggml_sfi_flash_attn_evidence_key_norms(ctx, res.sel_fae[refreshed[j]]));
             }
-            evid = llama_sfi_stack(ctx, evids, 3);
-            kn   = llama_sfi_stack(ctx, norms, 2);
+            // (a concat tree over 36 layers' evidence of 128K cells took 1.0 ms on an H200)
+            const ggml_tensor * storage = view.cache_k_of(view.layers[refreshed[first]].il);
+            evid = llama_sfi_stack(ctx, evids, 3, storage);
+            kn   = llama_sfi_stack(ctx, norms, 2, storage);
         } else if (fused) {
             std::vector<ggml_tensor *> qs;
             std::vector<ggml_tensor *> ks;
