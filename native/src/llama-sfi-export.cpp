@@ -49,9 +49,10 @@ ggml_tensor * llama_sfi_group_sum(ggml_context * ctx, ggml_tensor * p, int64_t n
     return rest ? ggml_add(ctx, p, rest) : p;
 }
 
-// ts stacked with one copy of each: the first padded with zeros to the whole, the others set into it in place;
-// nullptr where that does not apply (shapes, types, a dimension past dim that is not 1, offsets past set's int32
-// params) or the backend of storage lacks pad or set
+// ts stacked with one copy of each: the slices along dim are contiguous blocks of the stack when the dimensions
+// past dim are 1, so the first is padded with zeros to the whole, flat (a flat pad keeps CUDA's grid limits out of
+// the way), and the others are set into it in place; nullptr where that does not apply (shapes, types, offsets past
+// set's int32 params) or the backend of storage lacks pad or set
 static ggml_tensor * llama_sfi_stack_in_place(ggml_context * ctx, const std::vector<ggml_tensor *> & ts, int dim,
         const ggml_tensor * storage) {
     const ggml_tensor * t0 = ts[0];
@@ -66,23 +67,28 @@ static ggml_tensor * llama_sfi_stack_in_place(ggml_context * ctx, const std::vec
     }
     for (int d = dim + 1; d < GGML_MAX_DIMS; ++d) {
         if (t0->ne[d] != 1) {
-            return nullptr; // the slices would not be contiguous blocks of the stack
+            return nullptr;
         }
     }
-    int pad[GGML_MAX_DIMS] = {};
-    pad[dim] = (int) ((ts.size() - 1)*t0->ne[dim]);
-    ggml_tensor * stack = ggml_pad(ctx, ts[0], pad[0], pad[1], pad[2], pad[3]);
+    const int64_t n = ggml_nelements(t0);
+    auto flat = [&](ggml_tensor * t) { return ggml_reshape_1d(ctx, t, n); };
+
+    ggml_tensor * stack = ggml_pad(ctx, flat(ts[0]), (int) (n*(ts.size() - 1)), 0, 0, 0);
     if (!llama_sfi_backend_runs(stack, storage)) {
         return nullptr;
     }
     for (size_t l = 1; l < ts.size(); ++l) {
-        ggml_tensor * next = ggml_set_inplace(ctx, stack, ts[l], stack->nb[1], stack->nb[2], stack->nb[3], l*bytes);
+        ggml_tensor * next = ggml_set_1d_inplace(ctx, stack, flat(ts[l]), l*bytes);
         if (l == 1 && !llama_sfi_backend_runs(next, storage)) {
             return nullptr;
         }
         stack = next;
     }
-    return stack;
+    int64_t ne[GGML_MAX_DIMS];
+    for (int d = 0; d < GGML_MAX_DIMS; ++d) {
+        ne[d] = d == dim ? t0->ne[d]*(int64_t) ts.size() : t0->ne[d];
+    }
+    return ggml_reshape_4d(ctx, stack, ne[0], ne[1], ne[2], ne[3]);
 }
 
 ggml_tensor * llama_sfi_stack(ggml_context * ctx, std::vector<ggml_tensor *> ts, int dim, const ggml_tensor * storage) {
