@@ -13,7 +13,7 @@
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),, selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
-# Results go to $OUT (the device tool brings them back) or .gpu-out/.
+# Results go to $OUT (the device tool brings them back, as results.tgz when there are more than 8) or .gpu-out/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/.gpu-out}; mkdir -p "$OUT"
@@ -198,5 +198,10 @@ if [[ " $stages " == *" multigpu-bench "* ]]; then
     bench8b x2 --split-mode layer
     log "sfi-gguf bench: Qwen3-8B shape Q4_K_M, 1 GPU"
     CUDA_VISIBLE_DEVICES=0 bench8b x1 --split-mode none
+fi
+# the device tool brings back at most 8 files: more than that go back as one archive (tar xzf results.tgz)
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+    (cd "$OUT" && find . -type f ! -name results.tgz ! -name .files -printf '%P\n' > .files && tar czf results.tgz -T .files \
+        && xargs -d '\n' rm -f < .files && rm -f .files)
 fi
 log done
