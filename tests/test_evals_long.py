@@ -84,6 +84,28 @@ def test_reasoning_numbers_lie_far_apart_and_the_answer_is_computed():
     assert reasoning.score(case, "The answer is 0.") == 0.0
 
 
+def test_reasoning_gives_its_worked_example_as_an_earlier_chat_turn():
+    """Inside the question the worked example was what the models answered: it is the first user turn's end (after
+    the document, which opens every long task's prompt) with its answer as the assistant's turn, then the problem."""
+    class ChatLLM(WordTokenizer):
+        class context:
+            chat_template = staticmethod(lambda: "chatml")
+
+        def prompt_tokens(self, messages):
+            self.messages = messages
+            return [m["role"] for m in messages]
+
+    llm = ChatLLM()
+    case = long_tasks.make_cases(reasoning.TASK, LLM, 3000, 1)[0]
+    tokens = reasoning.prompt_tokens(llm, case)
+    first, answer, problem = llm.messages
+    assert first["role"] == "user" and first["content"].startswith(case.document)
+    assert reasoning.EXAMPLE[0] in first["content"] and "45" not in case.question
+    assert answer == {"role": "assistant", "content": reasoning.EXAMPLE[1]} and answer["content"].endswith("is 57.")
+    assert problem == {"role": "user", "content": case.question}
+    assert tokens == ["user", "assistant", "user"] + case.answer_prefix.split()
+
+
 def test_agreement_first_divergence():
     assert answer_agreement.first_divergence(np.array([True, True, False, True])) == 2
     assert answer_agreement.first_divergence(np.array([True, True])) == 2

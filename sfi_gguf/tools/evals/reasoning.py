@@ -2,14 +2,16 @@
 document, solved with chain of thought (the answer comes after ~100 generated tokens).
 
 The question names the subject but none of the numbers, so the reasoning must fetch each of them
-from the context while it writes; the answer starts with "Let's solve it step by step." as in `cot`.
+from the context while it writes; a worked example comes first as an earlier chat turn after the
+document, and the answer starts with "Let's solve it step by step." as in `cot`.
 Score: the number after "answer is" (else the last number) equals the answer.
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 
-from . import longdoc
+from . import common, longdoc
 from .common import Case
 from .cot import REASONING_PREFIX, final_number
 from .needle import ADJECTIVES, NOUNS
@@ -41,12 +43,13 @@ TEMPLATES = (
      lambda a, b, c: a * b - c, (4, 9), (3, 9), (2, 9)),
 )
 
-#: with a worked example (its numbers outside the templates' ranges): told only to finish with
-#: "The answer is N.", the 0.5B model wrote that literally
-INSTRUCTION = ("Use the facts about it stated in the text above. Solve the problem step by step in plain sentences "
-               "(no code), then finish with the number, as in this example. Example: a shop had 45 pens, got 23 "
-               "more and sold 11. Let's solve it step by step. The shop had 45 pens and got 23 more, so "
-               "45 + 23 = 68. It sold 11, so 68 - 11 = 57. The answer is 57.")
+INSTRUCTION = 'Solve the problem step by step in plain sentences (no code), then finish with "The answer is N."'
+
+#: a worked example, its numbers outside the templates' ranges, as a user turn and its answer: given inside the
+#: question, it was what the models answered (dense decoding too, 0.5B and 1.5B alike), not the document's problem
+EXAMPLE = ("A shop had 45 pens, got 23 more and sold 11. How many pens does the shop have now?",
+           f"{REASONING_PREFIX} The shop had 45 pens and got 23 more, so 45 + 23 = 68. It sold 11, so 68 - 11 = 57. "
+           "The answer is 57.")
 
 
 def plant(rng: random.Random) -> longdoc.Plant:
@@ -60,11 +63,25 @@ def plant(rng: random.Random) -> longdoc.Plant:
     depths = [rng.uniform(0.1, 0.3), rng.uniform(0.4, 0.6), rng.uniform(0.7, 0.9)]
     return longdoc.Plant(
         facts=[(d, s.format(name=name, a=a, b=b, c=c)) for d, s in zip(depths, sentences)],
-        question=f"{question.format(name=name)} {INSTRUCTION}", answer_prefix=REASONING_PREFIX,
+        question=f"{question.format(name=name)} Use the facts about it stated in the text above. {INSTRUCTION}",
+        answer_prefix=REASONING_PREFIX,
         expected=(str(solve(a, b, c)),), max_tokens=MAX_TOKENS,
         meta={"numbers": [a, b, c], "subject": name})
 
 
+def messages(case: Case) -> list[dict]:
+    """The document with the worked example as the first user turn, its answer, then the problem (the document
+    opens the prompt as in every long task, so the cached prefill serves them all)."""
+    return [{"role": "user", "content": f"{case.document}\n\n{EXAMPLE[0]} {INSTRUCTION}"},
+            {"role": "assistant", "content": EXAMPLE[1]},
+            {"role": "user", "content": case.question}]
+
+
+def prompt_tokens(llm, case: Case) -> list[int]:
+    if not common.is_chat_model(llm):  # a base model: the example inline, before the question
+        inline = f"{EXAMPLE[0]} {EXAMPLE[1]}\n\nQuestion: {case.question}"
+        return common.prompt_tokens(llm, dataclasses.replace(case, question=inline))
+    return llm.prompt_tokens(messages(case)) + llm.tokenize(case.answer_prefix, add_special=False)
 
 
 def score(case: Case, text: str) -> float:
