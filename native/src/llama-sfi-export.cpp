@@ -278,8 +278,7 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
         const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
         return env ? (strcmp(env, "1") == 0 ? 1 : 0) : -1;
     }();
-    const ggml_tensor * keys = ex.view.cache_k_of(ex.il);
-    keys = keys->view_src ? keys->view_src : keys;
+    const ggml_tensor * keys = ex.view.cache_k_of(ex.il); // the cache's own tensor, not a view: it has its buffer
     const bool enabled = wanted == 1 || (wanted < 0 && keys->buffer && !ggml_backend_buffer_is_host(keys->buffer));
     ggml_tensor * fa = attn ? attn->view_src : nullptr;
     if (!enabled || !fa || fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[4] || ex.n_rows != ex.n_tps) {
