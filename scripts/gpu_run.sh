@@ -161,7 +161,7 @@ if [[ " $stages " == *" host-profile "* ]]; then
             --root "DenseStepper\.step" --root "LlamaContext\.last_logits" --top 30 \
             --json "$OUT/host_profile-h200-qwen3-4b-$d.json" > "$OUT/host_profile-$d.txt"
         head -120 "$OUT/host_profile-$d.txt"
-        rm -f "$OUT/host-$d.txt"
+        gzip -f "$OUT/host-$d.txt"  # the raw stacks come back too (benchmarks/host_profile.py reads them unpacked)
     done
 fi
 if [[ " $stages " == *" batched-tests "* ]]; then

@@ -5,13 +5,14 @@ its own compact view, selection and exports). Every active sequence has its own 
 Selector, view) and sampler. A step
 
     plans each sequence's next token (slow, dense or fast: `SFIStepper.plan`),
-    decodes the tokens of each kind in one llama_decode (slow first, fast last),
-    and, while a group's logits are there, finishes its sequences (the Selector for the slow ones)
-    and samples their next tokens.
+    decodes every sequence's token in one llama_decode, each in its own mode (fast sequences attend
+    to their compact views, slow and dense ones to all their cells, the slow ones export),
+    and finishes each sequence (the Selector for the slow ones) and samples its next token.
 
-So the weights are read once per kind of step, not once per sequence, and fast sequences read only
-their compact views. `BatchedDecoder` keeps slots that requests join and leave between steps;
-`SFILlama.generate_batch` and `sfi-gguf serve --parallel` use it.
+So the weights are read once per step, whatever the mix. Slow sequences whose exports differ (device
+candidate counts, Selectors or groups of layers to refresh: short and long contexts) cannot share a
+decode: all but one such group decode apart, before the rest. `BatchedDecoder` keeps slots that
+requests join and leave between steps; `SFILlama.generate_batch` and `sfi-gguf serve --parallel` use it.
 """
 from __future__ import annotations
 
@@ -26,8 +27,7 @@ from .generate import Completion, Ending, GenerationStats, start_generation
 from .native import SFINative
 from .sampling import Sampler
 
-# llama_decode order of the groups: the fast group last, it is the largest and its status bits are
-# the ones a fast sequence reads back (fell back to dense or not)
+# the kinds of step; a decode's time counts for the first kind in this order among its sequences'
 GROUP_ORDER = ("slow", "dense", "fast")
 GROUP_MODE = {"slow": SFINative.SLOW, "dense": SFINative.DENSE, "fast": SFINative.FAST}
 
@@ -85,8 +85,10 @@ class BatchedDecoder:
     def reset_timing(self) -> None:
         """Zero the step timings (a benchmark reads them per run)."""
         self.t_steps = 0.0
-        self.t_decode = {kind: 0.0 for kind in GROUP_ORDER}  # llama_decode time per kind of group
+        self.n_steps = 0
+        self.t_decode = {kind: 0.0 for kind in GROUP_ORDER}  # llama_decode time, by the decode's first kind
         self.n_decode = {kind: 0 for kind in GROUP_ORDER}    # sequence-steps per kind
+        self.n_llama_decode = 0                              # llama_decode calls
 
     def close(self) -> None:
         if self._batch is not None:
@@ -143,16 +145,16 @@ class BatchedDecoder:
                 slot.request.done = True  # cancelled, or the context is full
         ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
-        planned: dict[str, list[_Slot]] = {kind: [] for kind in GROUP_ORDER}
-        for slot in self.active:
-            planned[slot.stepper.plan(slot.token)].append(slot)
-        for kind, group in self._groups(planned):
+        planned = [(slot, slot.stepper.plan(slot.token)) for slot in self.active]
+        for group in self._groups(planned):
             t_group = time.perf_counter()
-            self._decode(group, kind)
+            self._decode(group)
             seconds = time.perf_counter() - t_group
-            self.t_decode[kind] += seconds
-            self.n_decode[kind] += len(group)
-            for slot in group:  # while the group's logits are there
+            kinds = {kind for _, kind in group}
+            self.t_decode[next(k for k in GROUP_ORDER if k in kinds)] += seconds
+            for slot, kind in group:
+                self.n_decode[kind] += 1
+            for slot, kind in group:  # while the decode's logits are there
                 slot.stepper.finish(kind, seconds)
                 self._sample(slot)
         for slot in self.active:
@@ -162,39 +164,48 @@ class BatchedDecoder:
         for slot in self.active:
             slot.t_decode += dt
         self.t_steps += dt
+        self.n_steps += bool(planned)
         return ended
 
     @staticmethod
-    def _groups(planned: dict[str, list[_Slot]]):
-        """(kind, slots) per llama_decode, in GROUP_ORDER. Slow sequences that want different device
-        candidate counts, device Selectors or groups of layers to refresh (short and long contexts)
-        decode apart: each is one per decode, and a sequence must export what it would export alone."""
-        for kind in GROUP_ORDER:
-            if kind != "slow":
-                if planned[kind]:
-                    yield kind, planned[kind]
-                continue
-            by_export: dict[tuple, list[_Slot]] = {}
-            for slot in planned[kind]:
-                native = slot.stepper.native
-                selector = tuple(sorted(native.selector.items())) if native.selector else None
-                by_export.setdefault((native.n_candidates, selector, native.refresh_layers), []).append(slot)
-            for group in by_export.values():
-                yield kind, group
+    def _export_key(slot: _Slot) -> tuple:
+        native = slot.stepper.native
+        selector = tuple(sorted(native.selector.items())) if native.selector else None
+        return native.n_candidates, selector, native.refresh_layers
 
-    def _decode(self, group: list[_Slot], kind: str) -> None:
+    @classmethod
+    def _groups(cls, planned: list[tuple[_Slot, str]]) -> list[list[tuple[_Slot, str]]]:
+        """The (slot, kind) pairs of each llama_decode of a step: one for all, unless slow sequences want
+        different exports (each must export what it would alone); then the largest such group of slow
+        sequences decodes with the dense and fast ones, the others apart, first."""
+        by_export: dict[tuple, list[tuple[_Slot, str]]] = {}
+        for slot, kind in planned:
+            if kind == "slow":
+                by_export.setdefault(cls._export_key(slot), []).append((slot, kind))
+        if len(by_export) <= 1:
+            return [planned] if planned else []
+        main = max(by_export.values(), key=len)
+        apart = [group for group in by_export.values() if group is not main]
+        rest = [(slot, kind) for slot, kind in planned if kind != "slow" or (slot, kind) in main]
+        return apart + [rest]
+
+    def _decode(self, group: list[tuple[_Slot, str]]) -> None:
         native = self.native()
         if native is not None and native._initialized:
-            native.set_mode(GROUP_MODE[kind])
-            if kind == "slow":
-                native.set_n_candidates(group[0].stepper.native.n_candidates)
-                native.set_selector(group[0].stepper.native.selector)
-                native.set_refresh_layers(*group[0].stepper.native.refresh_layers)
+            for slot, kind in group:
+                native.set_mode(GROUP_MODE[kind], seq=slot.ctx.seq)
+            slow = next((slot for slot, kind in group if kind == "slow"), None)
+            if slow is not None:
+                native.set_n_candidates(slow.stepper.native.n_candidates)
+                native.set_selector(slow.stepper.native.selector)
+                native.set_refresh_layers(*slow.stepper.native.refresh_layers)
         rc = decode_one_per_sequence(self.base.ctx, self._batch,
-                                     [(slot.ctx.seq, len(slot.ctx.tokens), slot.token) for slot in group])
+                                     [(slot.ctx.seq, len(slot.ctx.tokens), slot.token) for slot, _ in group])
+        self.n_llama_decode += 1
         if rc != 0:
-            raise ContextError(f"llama_decode failed with code {rc} ({len(group)} sequences, {kind} step)")
-        for i, slot in enumerate(group):
+            kinds = ", ".join(sorted({kind for _, kind in group}))
+            raise ContextError(f"llama_decode failed with code {rc} ({len(group)} sequences, {kinds})")
+        for i, (slot, _) in enumerate(group):
             slot.ctx.tokens.append(slot.token)
             slot.ctx.logits_index = i
 

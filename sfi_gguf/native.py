@@ -107,6 +107,7 @@ _free = _bind("llama_sfi_free", [_ctx_p], None)
 _n_layers = _bind("llama_sfi_n_layers", [_ctx_p], ctypes.c_int32)
 _layer_info = _bind("llama_sfi_layer_info", [_ctx_p, ctypes.c_int32, _i32p, _i32p], ctypes.c_int32)
 _set_mode = _bind("llama_sfi_set_mode", [_ctx_p, ctypes.c_int], ctypes.c_int32)
+_seq_set_mode = _bind("llama_sfi_seq_set_mode", [_ctx_p, ctypes.c_int32, ctypes.c_int], ctypes.c_int32)
 _set_selection = _bind("llama_sfi_set_selection",
                        [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32, ctypes.c_int32, ctypes.c_int32], ctypes.c_int32)
 _set_selection_shared = _bind("llama_sfi_set_selection_shared",
@@ -209,8 +210,12 @@ class SFINative:
         return bool(self.status() & STATUS_MASS_VALID)
 
     # -- control --------------------------------------------------------------------------------
-    def set_mode(self, mode: int) -> None:
-        _check("llama_sfi_set_mode", _set_mode(self.ctx, int(mode)))
+    def set_mode(self, mode: int, seq: int | None = None) -> None:
+        """The mode of the following decodes, for every sequence or for sequence `seq` only."""
+        if seq is None:
+            _check("llama_sfi_set_mode", _set_mode(self.ctx, int(mode)))
+        else:
+            _check("llama_sfi_seq_set_mode", _seq_set_mode(self.ctx, int(seq), int(mode)))
 
     def set_selection(self, cells, seq: int = 0, shared=None) -> None:
         """cells: int array [n_layers, n_head_kv, n_sel] of cell ids (see cell_pos()), in any order; shared:
@@ -351,16 +356,17 @@ class DeviceSelection:
 class SFISequence:
     """One sequence's view of a multi-sequence `SFINative`: what `SFIStepper` calls, with the sequence id filled in.
 
-    The per-sequence calls (exports, selection, status) act on this sequence; the context-wide ones pass
-    through. A candidate count, device Selector or group of layers to refresh acts at once (a sequence's
-    prefill decodes alone) and is also kept here, for the batch loop to apply per group before each grouped
-    llama_decode (it sets the group's mode itself). Any other `SFINative` attribute is refused: it would
-    read sequence 0.
+    The per-sequence calls (exports, selection, status, mode) act on this sequence; the context-wide ones
+    pass through. A candidate count, device Selector or group of layers to refresh acts at once (a
+    sequence's prefill decodes alone) and is also kept here, for the batch loop to apply before the
+    llama_decode that holds the sequence's slow step (it sets each sequence's mode itself). Any other
+    `SFINative` attribute is refused: it would read sequence 0.
     """
 
     PER_SEQUENCE = frozenset({"status", "set_selection", "load_selection", "selection_overlap", "mass", "evidence",
-                              "key_norms", "candidates", "selection", "selection_size", "n_query_rows", "cell_pos"})
-    SHARED = frozenset({"params", "n_layers", "n_head_kv", "set_mode"})
+                              "key_norms", "candidates", "selection", "selection_size", "n_query_rows", "cell_pos",
+                              "set_mode"})
+    SHARED = frozenset({"params", "n_layers", "n_head_kv"})
 
     def __init__(self, native: SFINative, seq: int):
         self.base, self.seq = native, seq

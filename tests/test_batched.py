@@ -48,8 +48,13 @@ def test_budget_covering_everything_equals_dense(llm, prompts):
 def test_each_sequence_decodes_as_it_would_alone(llm, prompts):
     """A small budget (sink 4 + 32 + recent 32 of 250-480 cells) refreshed every 8 steps; steps mix
     dense, slow and fast sequences (see SMALL)."""
+    decoder = llm.batched_decoder()
+    decoder.reset_timing()
     batch = _batch(llm, prompts, SMALL, n=60)
     assert batch[2].stats.sfi.slow_steps[0] == 30 and batch[0].stats.sfi.slow_steps[:4] == [8, 16, 24, 32]
+    # one llama_decode per step, whatever its mix of slow, dense and fast sequences
+    assert decoder.n_llama_decode == decoder.n_steps and decoder.n_decode["fast"] > 0
+    assert decoder.n_decode["slow"] > 0 and decoder.n_decode["dense"] > 0
     for prompt, b in zip(prompts, batch):
         alone = llm.generate(prompt, max_tokens=60, temperature=0, sfi=SMALL, ignore_eos=True)
         assert b.tokens == alone.tokens

@@ -22,10 +22,11 @@ extern "C" {
     // K-shift, state load) invalidates its view.
     //
     // Several sequences (batched decoding): with n_seq_max > 1 the cache must keep one stream per sequence
-    // (kv_unified = false); each sequence has its own view, selection, tail and exports, and the mode applies to
-    // every sequence of a llama_decode() batch: FAST runs dense for the whole batch unless every sequence in it has
-    // a valid view with room in its tail. A step where some sequences are slow and others fast is two
-    // llama_decode() calls.
+    // (kv_unified = false); each sequence has its own view, selection, tail, exports and mode
+    // (llama_sfi_seq_set_mode), so that one llama_decode() batch can hold slow, dense and fast sequences: each
+    // attends as its mode says (a FAST sequence without a valid view with room in its tail runs dense), and the
+    // weights are read once for all of them. Slow sequences of one batch share the export settings
+    // (llama_sfi_set_n_candidates, llama_sfi_set_selector, llama_sfi_set_refresh_layers).
     //
     // Covered layers: the layers of the main KV cache (the non-SWA layers of iSWA models).
     // Requirements: n_seq_max == 1 or one stream per sequence, a non-MLA cache with F32/F16/BF16/Q8_0/Q4_0/Q4_1/
@@ -95,9 +96,13 @@ extern "C" {
     // (either output may be NULL). Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for i out of range.
     LLAMA_API int32_t llama_sfi_layer_info(const struct llama_context * ctx, int32_t i, int32_t * il, int32_t * n_head_kv);
 
-    // Mode of the following llama_decode() calls (see above). Returns 0, LLAMA_SFI_ERR_NOT_INIT, or
-    // LLAMA_SFI_ERR_BAD_ARG for a value that is not a llama_sfi_mode.
+    // Mode of the following llama_decode() calls (see above), for every sequence. Returns 0, LLAMA_SFI_ERR_NOT_INIT,
+    // or LLAMA_SFI_ERR_BAD_ARG for a value that is not a llama_sfi_mode.
     LLAMA_API int32_t llama_sfi_set_mode(struct llama_context * ctx, enum llama_sfi_mode mode);
+
+    // ... for sequence seq only (until the next call for it or llama_sfi_set_mode()). Returns 0,
+    // LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for a bad mode or seq outside [0, n_seq_max).
+    LLAMA_API int32_t llama_sfi_seq_set_mode(struct llama_context * ctx, llama_seq_id seq, enum llama_sfi_mode mode);
 
     // Selection of sequence seq for the FAST steps that follow: cells [n_layers][n_head_kv][n_sel] are cell ids
     // (llama_sfi_get_cell_pos gives their positions), n_layers = llama_sfi_n_layers(), n_head_kv = the largest
@@ -251,8 +256,8 @@ extern "C" {
     //   LLAMA_SFI_ERR_UNSUPPORTED: the context has no KV cache SFI works on
     LLAMA_API int32_t llama_sfi_get_cell_pos(const struct llama_context * ctx, llama_seq_id seq, int32_t * pos, int32_t n);
 
-    // LLAMA_SFI_STATUS_* bits of seq (LAST_FAST and FELL_BACK_DENSE: of the context's last llama_decode()); 0 for a
-    // NULL ctx, no SFI state, or seq outside [0, n_seq_max).
+    // LLAMA_SFI_STATUS_* bits of seq (LAST_FAST and FELL_BACK_DENSE: of the last llama_decode() that held seq); 0 for
+    // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq);
 
 #ifdef __cplusplus

@@ -34,6 +34,8 @@ void llama_sfi_export::reset() {
 llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache * kv, std::shared_ptr<llama_sfi_view> view,
         const llama_sfi_params & params) : model(model), kv(kv), view(std::move(view)), params(params) {
     exports.resize(this->view->streams.size());
+    modes.assign(this->view->streams.size(), LLAMA_SFI_MODE_DENSE);
+    status.assign(this->view->streams.size(), 0);
     kv->set_sfi(this->view);
 }
 
@@ -44,60 +46,75 @@ llama_sfi_context::~llama_sfi_context() {
 }
 
 void llama_sfi_context::decode_begin(const llama_batch & batch) {
-    status = 0;
-
-    view->step = LLAMA_SFI_STEP_DENSE;
+    const size_t n_streams = view->streams.size();
 
     // tokens per stream of the batch
-    std::vector<uint32_t> n_tokens(view->streams.size(), 0);
+    std::vector<uint32_t> n_tokens(n_streams, 0);
     for (int32_t i = 0; i < batch.n_tokens; ++i) {
         for (int32_t k = 0; k < batch.n_seq_id[i]; ++k) {
             n_tokens[view->stream_of(batch.seq_id[i][k])]++;
         }
     }
 
-    // the exports of a sequence last until its next decode
-    for (size_t s = 0; s < n_tokens.size(); ++s) {
-        if (n_tokens[s] > 0) {
-            exports[s].valid = false;
-        }
-    }
+    view->stream_steps.assign(n_streams, LLAMA_SFI_STEP_DENSE);
 
-    bool fast = mode == LLAMA_SFI_MODE_FAST;
-    for (size_t s = 0; s < n_tokens.size() && fast; ++s) {
+    bool first = true;
+    for (size_t s = 0; s < n_streams; ++s) {
+        if (n_tokens[s] == 0) {
+            continue;
+        }
+
+        // the exports of a sequence last until its next decode
+        exports[s].valid = false;
+        status[s] = 0;
+
         const auto & st = view->streams[s];
-        fast = n_tokens[s] == 0 || (st.valid && st.tail.size() + n_tokens[s] <= (size_t) params.n_tail_max);
-    }
 
-    if (fast) {
-        view->step = LLAMA_SFI_STEP_FAST; // LAST_FAST once the decode succeeded (decode_end)
-        return;
-    }
-
-    if (mode == LLAMA_SFI_MODE_FAST) {
-        status |= LLAMA_SFI_STATUS_FELL_BACK_DENSE;
-    }
-
-    if (mode == LLAMA_SFI_MODE_SLOW) {
-        view->step = LLAMA_SFI_STEP_SLOW;
-    }
-
-    // the tokens of a dense step do not go to the tail: the views of its streams are stale (their selections'
-    // rows stay, for the layers a refresh of one group keeps; once written, the step's exports may replace them)
-    for (size_t s = 0; s < n_tokens.size(); ++s) {
-        if (n_tokens[s] > 0) {
-            resolve(s);
-            view->streams[s].invalidate();
-            if (mode == LLAMA_SFI_MODE_SLOW) {
-                exports[s].n_sel = 0; // the selection of an earlier slow step ends here, even if this one makes none
-            }
+        llama_sfi_step step = LLAMA_SFI_STEP_DENSE;
+        switch (modes[s]) {
+            case LLAMA_SFI_MODE_FAST:
+                if (st.valid && st.tail.size() + n_tokens[s] <= (size_t) params.n_tail_max) {
+                    step = LLAMA_SFI_STEP_FAST; // LAST_FAST once the decode succeeded (decode_end)
+                } else {
+                    status[s] |= LLAMA_SFI_STATUS_FELL_BACK_DENSE;
+                }
+                break;
+            case LLAMA_SFI_MODE_SLOW:
+                step = LLAMA_SFI_STEP_SLOW;
+                break;
+            default:
+                break;
         }
+        view->stream_steps[s] = step;
+
+        view->step = first || view->step == step ? step : LLAMA_SFI_STEP_MIXED;
+        first = false;
+
+        if (step == LLAMA_SFI_STEP_FAST) {
+            continue;
+        }
+
+        // the tokens of a dense step do not go to the tail: the view of its stream is stale (its selection's rows
+        // stay, for the layers a refresh of one group keeps; once written, the step's exports may replace them)
+        resolve(s);
+        view->streams[s].invalidate();
+        if (step == LLAMA_SFI_STEP_SLOW) {
+            exports[s].n_sel = 0; // the selection of an earlier slow step ends here, even if this one makes none
+        }
+    }
+
+    if (first) {
+        view->step = LLAMA_SFI_STEP_DENSE;
     }
 }
 
 void llama_sfi_context::decode_end() {
-    if (view->step == LLAMA_SFI_STEP_FAST) {
-        status |= LLAMA_SFI_STATUS_LAST_FAST;
+    if (view->step == LLAMA_SFI_STEP_FAST || view->step == LLAMA_SFI_STEP_MIXED) {
+        for (uint32_t s = 0; s < view->streams.size(); ++s) {
+            if (view->stream_steps[s] == LLAMA_SFI_STEP_FAST) {
+                status[s] |= LLAMA_SFI_STATUS_LAST_FAST;
+            }
+        }
 
         // the host's part of the refreshes before this step, while its graph computes
         for (uint32_t s = 0; s < view->streams.size(); ++s) {
@@ -106,6 +123,7 @@ void llama_sfi_context::decode_end() {
     }
 
     view->step = LLAMA_SFI_STEP_DENSE;
+    view->stream_steps.assign(view->streams.size(), LLAMA_SFI_STEP_DENSE);
 }
 
 uint32_t llama_sfi_context::n_graph_nodes() const {
@@ -117,7 +135,14 @@ uint32_t llama_sfi_context::n_graph_nodes() const {
 }
 
 void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
-    if (std::any_of(res.sel.begin(), res.sel.end(), [](const ggml_tensor * t) { return t != nullptr; })) {
+    for (const auto & run : res.runs) {
+        extract_run(sched, res, run, ubatch);
+    }
+}
+
+void llama_sfi_context::extract_run(ggml_backend_sched_t sched, const llama_sfi_graph_result & /*graph*/, const llama_sfi_run_export & res,
+        const llama_ubatch & ubatch) {
+    if (res.has_selection()) {
         extract_selection(sched, res, ubatch);
         return;
     }
@@ -130,20 +155,20 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     const size_t n_head_kv = view->n_head_kv_max;
 
     int64_t n  = 0; // cells per (layer, head, stream): n_kv, or the candidates
-    int64_t ns = 0; // streams of the ubatch
+    int64_t ns = res.ns; // streams of the run: res.s0 ..
     for (const auto * t : res.mass) {
         if (t) {
-            n  = t->ne[0];
-            ns = t->ne[2];
+            n = t->ne[0];
+            GGML_ASSERT(t->ne[2] == ns);
         }
     }
 
-    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
+    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ubatch.n_seqs_unq == 0);
 
-    const uint32_t n_tps = ubatch.n_tokens/ns;
+    const uint32_t n_tps = ubatch.n_tokens/ubatch.n_seqs_unq;
 
     for (int64_t j = 0; j < ns; ++j) {
-        exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].reset();
+        exports[res.s0 + j].reset();
     }
 
     // slow steps are rare: wait for the graph, then copy synchronously, one copy per layer and kind
@@ -158,7 +183,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
             any |= t != nullptr;
         }
         for (int64_t j = 0; j < ns; ++j) {
-            auto & dst = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].*member;
+            auto & dst = exports[res.s0 + j].*member;
             dst.assign(any ? n_layers*row : 0, 0);
         }
         for (size_t i = 0; any && i < n_layers; ++i) {
@@ -170,7 +195,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
             buf.resize(ggml_nbytes(t));
             ggml_backend_tensor_get(t, buf.data(), 0, ggml_nbytes(t));
             for (int64_t j = 0; j < ns; ++j) {
-                auto & dst = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])].*member;
+                auto & dst = exports[res.s0 + j].*member;
                 GGML_ASSERT(per_stream <= row*sizeof(dst[0]));
                 memcpy(dst.data() + i*row, buf.data() + j*per_stream, per_stream);
             }
@@ -183,7 +208,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
     copy(res.cells,     &llama_sfi_export::cells,     n);
 
     for (int64_t j = 0; j < ns; ++j) {
-        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+        auto & ex = exports[res.s0 + j];
 
         ex.n_cells = n;
         ex.n_rows  = std::min<int32_t>(params.n_query_rows, n_tps);
@@ -193,7 +218,7 @@ void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_grap
 
 // the device Selector's picks, per stream: [n_layers][n_head_kv_max][k_head] indices into each layer's candidates,
 // mapped to cell ids later (map_selection)
-void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
+void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch) {
     const size_t n_layers  = view->layers.size();
     const size_t n_head_kv = view->n_head_kv_max;
 
@@ -208,11 +233,21 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     const int64_t n_sel  = t0->ne[0];
     const int64_t n_cand = c0->ne[0];
-    const int64_t ns     = ubatch.n_seqs_unq; // streams of the ubatch, as in llama_sfi_build_inputs
+    const int64_t ns     = res.ns; // streams of the run: res.s0 ..
 
-    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
+    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ubatch.n_seqs_unq == 0);
 
-    const uint32_t n_tps = ubatch.n_tokens/ns;
+    const uint32_t n_tps = ubatch.n_tokens/ubatch.n_seqs_unq;
+
+    // the sequence of stream s of the ubatch
+    auto seq_of = [&](uint32_t s) {
+        for (uint32_t j = 0; j < ubatch.n_seqs_unq; ++j) {
+            if (view->stream_of(ubatch.seq_id[j*n_tps][0]) == s) {
+                return ubatch.seq_id[j*n_tps][0];
+            }
+        }
+        GGML_ABORT("stream %u is not in the ubatch", s);
+    };
 
     ggml_backend_sched_synchronize(sched);
 
@@ -226,7 +261,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     const bool ids = res.sel_cells;
 
     for (int64_t j = 0; j < ns; ++j) {
-        auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+        auto & ex = exports[res.s0 + j];
 
         ex.reset();
         ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
@@ -249,8 +284,8 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             any_kept = true;
             // not refreshed: the own cells of the selection the view holds, as cell ids
             for (int64_t j = 0; j < ns; ++j) {
-                const auto & st = view->streams[view->stream_of(ubatch.seq_id[j*n_tps][0])];
-                auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+                const auto & st = view->streams[res.s0 + j];
+                auto & ex = exports[res.s0 + j];
 
                 if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
                     kept[j] = false;
@@ -277,7 +312,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         const int64_t h_layer = tp->ne[1];
 
         for (int64_t j = 0; j < ns; ++j) {
-            auto & ex = exports[view->stream_of(ubatch.seq_id[j*n_tps][0])];
+            auto & ex = exports[res.s0 + j];
 
             const int64_t b = l*ns + j;
 
@@ -294,8 +329,8 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     }
 
     for (int64_t j = 0; j < ns; ++j) {
-        const llama_seq_id seq = ubatch.seq_id[j*n_tps][0];
-        const uint32_t     s   = view->stream_of(seq);
+        const uint32_t     s   = res.s0 + j;
+        const llama_seq_id seq = seq_of(s);
 
         auto & ex = exports[s];
         auto & st = view->streams[s];

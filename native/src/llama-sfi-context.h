@@ -17,6 +17,7 @@ class llama_kv_cache;
 struct llama_model;
 struct llama_batch;
 struct llama_sfi_graph_result;
+struct llama_sfi_run_export;
 struct llama_sfi_view;
 struct llama_ubatch;
 
@@ -66,15 +67,15 @@ struct llama_sfi_context {
 
     const llama_sfi_params params;
 
-    llama_sfi_mode mode = LLAMA_SFI_MODE_DENSE;
+    std::vector<llama_sfi_mode> modes; // per stream: the step its next decodes ask for (llama_sfi_set_mode, llama_sfi_seq_set_mode)
 
-    uint32_t status = 0; // LLAMA_SFI_STATUS_LAST_FAST / FELL_BACK_DENSE of the last decode
+    std::vector<uint32_t> status; // per stream: LLAMA_SFI_STATUS_LAST_FAST / FELL_BACK_DENSE of its last decode
 
     std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
 
     llama_sfi_fast_graphs fast_graphs; // the scheduler and graphs of the FAST steps
 
-    // the streams of the batch take the step of the mode (or run dense, see llama-sfi.h)
+    // each stream of the batch takes the step of its mode (or runs dense, see llama-sfi.h)
     void decode_begin(const llama_batch & batch);
     void decode_end();
 
@@ -98,5 +99,6 @@ private:
     std::vector<int32_t> picks_buf; // extract_selection's copies of a run's picks and candidates, kept between steps
     std::vector<int32_t> cells_buf;
 
-    void extract_selection(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
+    void extract_run(ggml_backend_sched_t sched, const llama_sfi_graph_result & graph, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
+    void extract_selection(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
 };

@@ -148,15 +148,19 @@ void llama_sfi_layer_export::output(ggml_tensor * t, const char * name, std::vec
 }
 
 // the key norms ||K|| of every cell of layer il, for the streams s0 .. s0+ns-1: [n_head_kv, kv_size, ns], after the
-// ops that take those of the cells in inp.kn_cells (written since they were last taken), dequantized to F32; the
-// Selector gathers them at its candidates instead of gathering and squaring every candidate's keys per layer
+// ops that take those of the cells in inp.kn_cells (written since they were last taken; once per layer and graph, for
+// all its runs), dequantized to F32; the Selector gathers them at its candidates instead of gathering and squaring
+// every candidate's keys per layer
 static ggml_tensor * llama_sfi_key_norms(ggml_context * ctx, ggml_cgraph * gf, const llama_sfi_view & view,
-        const llama_sfi_graph_input & inp, int32_t il, uint32_t s0, int64_t ns) {
-    const auto & l = view.layers.at(view.layer_index(il));
+        const llama_sfi_graph_input & inp, llama_sfi_graph_result & graph, int32_t il, uint32_t s0, int64_t ns) {
+    const int32_t i = view.layer_index(il);
+    const auto &  l = view.layers.at(i);
 
-    ggml_tensor * kn = l.kn;
+    graph.key_norms.resize(view.layers.size(), nullptr);
 
-    if (inp.kn_cells) {
+    ggml_tensor * kn = graph.key_norms[i] ? graph.key_norms[i] : l.kn;
+
+    if (inp.kn_cells && !graph.key_norms[i]) {
         ggml_tensor * k = view.cache_k_of(il); // [n_embd_k_gqa, kv_size, n_stream]
         GGML_ASSERT(k->nb[2] == k->nb[1]*k->ne[1] && kn->ne[1] == k->ne[1]);
 
@@ -180,6 +184,7 @@ static ggml_tensor * llama_sfi_key_norms(ggml_context * ctx, ggml_cgraph * gf, c
         ggml_build_forward_expand(gf, kn_all);
 
         kn = kn_all; // later reads come after the updates
+        graph.key_norms[i] = kn;
     }
 
     return ggml_view_3d(ctx, kn, l.n_head_kv, l.kn->ne[1], ns, l.kn->nb[1], l.kn->nb[2], s0*l.kn->nb[2]);
@@ -191,7 +196,7 @@ static ggml_tensor * llama_sfi_export_probs(const llama_sfi_layer_export & ex) {
 
     // without flash attention the attention just took them (kq [n_kv, n_tps, n_head, ns]): the export sums its last
     // rows instead of taking the scores and their softmax a second time
-    ggml_tensor * p = ex.res.kq;
+    ggml_tensor * p = ex.graph.kq;
     if (p && p->ne[0] == ex.n_kv && p->ne[1] == ex.n_tps && p->ne[2] == ex.n_head && p->ne[3] == ex.ns) {
         if (ex.n_rows < ex.n_tps) {
             p = ggml_cont(ctx, ggml_view_4d(ctx, p, ex.n_kv, ex.n_rows, ex.n_head, ex.ns, p->nb[1], p->nb[2], p->nb[3],
@@ -316,13 +321,37 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
     return fa;
 }
 
-ggml_tensor * llama_sfi_build_export(
+// the SLOW inputs of streams j0 .. j0+n-1 of the ubatch (inp itself when they are all of them)
+static llama_sfi_graph_input llama_sfi_run_inputs(ggml_context * ctx, const llama_sfi_graph_input & inp, uint32_t j0, uint32_t n) {
+    llama_sfi_graph_input run = inp;
+    if (inp.sel_mask && (j0 > 0 || n < inp.sel_mask->ne[3])) {
+        auto streams = [&](ggml_tensor * t, int d) { // dim d of t is the stream's
+            int64_t ne[GGML_MAX_DIMS];
+            for (int k = 0; k < GGML_MAX_DIMS; ++k) {
+                ne[k] = k == d ? n : t->ne[k];
+            }
+            return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], j0*t->nb[d]);
+        };
+        run.sel_mask = streams(inp.sel_mask, 3);
+        run.sel_u    = streams(inp.sel_u, 2);
+        if (inp.shared) {
+            run.shared = streams(inp.shared, 2);
+        }
+    }
+    return run;
+}
+
+// the export of layer il for the SLOW streams s0 .. s0+ns-1 (ns = k->ne[3]) of a run, whose attention attn just gave;
+// returns the attention's output to go on with (see llama_sfi_build_attn)
+static ggml_tensor * llama_sfi_build_export(
         ggml_context * ctx,
          ggml_cgraph * gf,
-        llama_sfi_graph_result & res,
-        const llama_kv_cache_context * mctx,
+        llama_sfi_graph_result & graph,
+        llama_sfi_run_export & res,
+        const llama_sfi_plan & plan,
         const llama_sfi_graph_input  & inp,
         const llama_hparams & hparams,
+            uint32_t   s0,
          ggml_tensor * q_cur,
          ggml_tensor * k,
          ggml_tensor * kq_mask,
@@ -330,18 +359,13 @@ ggml_tensor * llama_sfi_build_export(
                float   kq_scale,
          ggml_tensor * attn,
                  int   il) {
-    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
-    if (!plan || !plan->exporting) {
-        return attn;
-    }
-
-    const auto & view = plan->view;
+    const auto & view = plan.view;
 
     const int32_t i = view.layer_index(il);
     GGML_ASSERT(i >= 0);
 
-    // one set of ops for all the streams of the ubatch (its sequences): the ubatch holds the tokens stream
-    // after stream, k is [n_embd_head, n_head_kv, n_kv, ns] and kq_mask [n_kv, n_tps, 1, ns]
+    // one set of ops for all the streams of the run (its sequences): the ubatch holds the tokens stream after stream,
+    // k is [n_embd_head, n_head_kv, n_kv, ns] and kq_mask [n_kv, n_tps, 1, ns]
     const int64_t n_embd_head = q_cur->ne[0];
     const int64_t n_head      = q_cur->ne[1];
     const int64_t n_head_kv   = k->ne[1];
@@ -352,9 +376,8 @@ ggml_tensor * llama_sfi_build_export(
 
     GGML_ASSERT(kq_mask->ne[3] == ns && kq_mask->ne[1] == n_tps);
 
-    for (int64_t j = 0; j < ns; ++j) {
-        GGML_ASSERT(plan->streams[j] == plan->streams[0] + j); // k's streams
-    }
+    res.s0 = s0;
+    res.ns = ns;
 
     // every export is [n_cells, n_head_kv, ns]: all n_kv cells, or the n_cand candidates of the stream
     const int64_t n_cand = view.n_candidates > 0 ? std::min<int64_t>(view.n_candidates, n_kv) : 0;
@@ -388,9 +411,10 @@ ggml_tensor * llama_sfi_build_export(
         /*.view      =*/ view,
         /*.inp       =*/ inp,
         /*.res       =*/ res,
+        /*.graph     =*/ graph,
         /*.i         =*/ i,
         /*.il        =*/ il,
-        /*.s0        =*/ plan->streams[0],
+        /*.s0        =*/ s0,
         /*.n_kv      =*/ n_kv,
         /*.n_head    =*/ n_head,
         /*.n_head_kv =*/ n_head_kv,
@@ -411,11 +435,11 @@ ggml_tensor * llama_sfi_build_export(
     // taken per stream), unless the device Selector takes them from its evidence op, which reads every key anyway
     const bool fused = selects && llama_sfi_selector_fused(ex);
     if (selects ? !fused : view.params.export_key_norms) {
-        ex.kn = llama_sfi_key_norms(ctx, gf, view, inp, il, plan->streams[0], ns);
+        ex.kn = llama_sfi_key_norms(ctx, gf, view, inp, graph, il, s0, ns);
     }
     if (selects) {
         // the first layer's verdict, unless a later one keeps its own (graphs are built layer by layer)
-        plan->view.selector_own_key_norms = (i > 0 && view.selector_own_key_norms) || !fused;
+        plan.view.selector_own_key_norms = (i > 0 && view.selector_own_key_norms) || !fused;
     }
 
     if (selects && !view.refreshes(i)) {
@@ -434,4 +458,76 @@ ggml_tensor * llama_sfi_build_export(
         llama_sfi_export_candidates(ex);
     }
     return attn;
+}
+
+ggml_tensor * llama_sfi_build_attn(
+        ggml_context * ctx,
+         ggml_cgraph * gf,
+        llama_sfi_graph_result & res,
+        const llama_kv_cache_context * mctx,
+        const llama_sfi_graph_input  & inp,
+        const llama_hparams & hparams,
+         ggml_tensor * q,
+         ggml_tensor * k,
+         ggml_tensor * v,
+         ggml_tensor * kq_mask,
+         ggml_tensor * sinks,
+               float   kq_scale,
+                 int   il,
+        const llama_sfi_attn_fn & attn) {
+    const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (!plan || (!plan->mixed() && !plan->exporting)) {
+        return attn(q, k, v, kq_mask);
+    }
+
+    if (!plan->mixed()) {
+        // SLOW: one run of every stream
+        res.runs.resize(1);
+        ggml_tensor * cur = attn(q, k, v, kq_mask);
+        return llama_sfi_build_export(ctx, gf, res, res.runs[0], *plan, inp, hparams, plan->streams[0], q, k, kq_mask, sinks,
+                kq_scale, cur, il);
+    }
+
+    // MIXED: per run, its tokens' queries over its streams' keys and values (the view's for FAST runs); the outputs
+    // joined in ubatch order
+    const int64_t n_tps = q->ne[2]/(int64_t) plan->streams.size();
+
+    // streams j0 .. j0+n-1 of t, whose dim 3 is the ubatch's streams
+    auto streams = [&](ggml_tensor * t, const llama_sfi_run & run) {
+        return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], run.n, t->nb[1], t->nb[2], t->nb[3], run.j0*t->nb[3]);
+    };
+
+    std::vector<ggml_tensor *> outs;
+    size_t n_slow = 0;
+    for (const auto & run : plan->runs) {
+        ggml_tensor * q_r = ggml_view_3d(ctx, q, q->ne[0], q->ne[1], run.n*n_tps, q->nb[1], q->nb[2], run.j0*n_tps*q->nb[2]);
+
+        const uint32_t s0 = plan->streams[run.j0];
+
+        if (run.step == LLAMA_SFI_STEP_FAST) {
+            const uint32_t s1 = plan->streams[run.j0 + run.n - 1];
+            outs.push_back(attn(q_r, plan->view.get_k(ctx, il, plan->n_view, s0, s1), plan->view.get_v(ctx, il, plan->n_view, s0, s1),
+                        streams(inp.fast_mask, run)));
+            continue;
+        }
+
+        ggml_tensor * k_r    = streams(k, run);
+        ggml_tensor * mask_r = streams(kq_mask, run);
+        ggml_tensor * cur    = attn(q_r, k_r, streams(v, run), mask_r);
+        if (run.step == LLAMA_SFI_STEP_SLOW && plan->exporting) {
+            if (res.runs.size() <= n_slow) {
+                res.runs.resize(n_slow + 1);
+            }
+            cur = llama_sfi_build_export(ctx, gf, res, res.runs[n_slow], *plan, llama_sfi_run_inputs(ctx, inp, run.j0, run.n),
+                    hparams, s0, q_r, k_r, mask_r, sinks, kq_scale, cur, il);
+            n_slow++;
+        }
+        outs.push_back(cur);
+    }
+
+    ggml_tensor * cur = outs[0];
+    for (size_t r = 1; r < outs.size(); ++r) {
+        cur = ggml_concat(ctx, cur, outs[r], 1);
+    }
+    return cur;
 }

@@ -5,31 +5,39 @@
 #include "ggml.h"
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 class llama_kv_cache_context;
 struct llama_hparams;
 struct llama_sfi_graph_input;
 struct llama_sfi_graph_result;
+struct llama_sfi_run_export;
 struct llama_sfi_view;
 
-// SLOW: export the attention of the last query rows of the ubatch's sequences (next to the attention), for layer il;
-// returns the attention's output to go on with: attn (build_attn_mha's), or the same values from an op that also gave
-// the export (ggml_sfi_flash_attn_evidence, see llama_sfi_fused_attention)
-ggml_tensor * llama_sfi_build_export(
+// build_attn_mha of q [n_embd_head, n_head, n_tokens] over k, v [.., ns] with kq_mask [n_kv, n_tps, 1, ns]
+using llama_sfi_attn_fn = std::function<ggml_tensor * (ggml_tensor * q, ggml_tensor * k, ggml_tensor * v, ggml_tensor * kq_mask)>;
+
+// the attention of layer il (attn over q, the cache's k and v and kq_mask) with what SFI adds to it: a SLOW ubatch
+// exports the attention of its sequences' last query rows next to it; a MIXED one attends per run of streams of one
+// step (FAST runs to their views, the others to the cache) and exports for its SLOW runs. Returns the attention's
+// output [n_embd_v, n_tokens]: attn's, or the same values from an op that also gave the export
+// (ggml_sfi_flash_attn_evidence, see llama_sfi_fused_attention)
+ggml_tensor * llama_sfi_build_attn(
         ggml_context * ctx,
          ggml_cgraph * gf,
         llama_sfi_graph_result & res,
         const llama_kv_cache_context * mctx,
         const llama_sfi_graph_input  & inp,
         const llama_hparams & hparams,
-         ggml_tensor * q_cur,
+         ggml_tensor * q,
          ggml_tensor * k,
+         ggml_tensor * v,
          ggml_tensor * kq_mask,
          ggml_tensor * sinks,
                float   kq_scale,
-         ggml_tensor * attn,
-                 int   il);
+                 int   il,
+        const llama_sfi_attn_fn & attn);
 
 // one layer's export: what every kind of export starts from
 struct llama_sfi_layer_export {
@@ -37,17 +45,18 @@ struct llama_sfi_layer_export {
     ggml_cgraph  * gf;
 
     const llama_sfi_view        & view;
-    const llama_sfi_graph_input & inp;
-    llama_sfi_graph_result      & res;
+    const llama_sfi_graph_input & inp; // its SLOW inputs: the run's streams
+    llama_sfi_run_export        & res;
+    llama_sfi_graph_result      & graph;
 
     int32_t  i;  // covered layer
     int      il; // model layer
-    uint32_t s0; // the first stream of the ubatch (its streams are consecutive)
+    uint32_t s0; // the first stream of the run (its streams are consecutive)
 
     int64_t n_kv;
     int64_t n_head;
     int64_t n_head_kv;
-    int64_t ns;     // streams of the ubatch
+    int64_t ns;     // streams of the run
     int64_t n_tps;  // tokens per stream
     int64_t n_rows; // query rows per stream: its last n_rows tokens
     int64_t n_cand; // candidates per stream (0: every cell)

@@ -64,6 +64,10 @@ ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_te
 // inputs
 //
 
+bool llama_sfi_run_export::has_selection() const {
+    return std::any_of(sel.begin(), sel.end(), [](const ggml_tensor * t) { return t != nullptr; });
+}
+
 uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
     const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
     if (!plan) {
@@ -72,15 +76,25 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
 
     const auto * view = &plan->view;
 
-    if (plan->step == LLAMA_SFI_STEP_FAST) {
+    uint64_t key = 0;
+    auto mix = [&](uint64_t x) { key = key*1099511628211ull ^ x; };
+
+    if (plan->mixed()) {
+        // the runs of streams of one step, and the slots the FAST ones attend
+        mix(LLAMA_SFI_STEP_MIXED);
+        for (const auto & run : plan->runs) {
+            mix((uint64_t) run.step | (uint64_t) run.n << 2);
+        }
+        mix(plan->n_view);
+    }
+
+    if (plan->stores()) {
         // the gathers (which streams, how many cells) are part of the topology
-        uint64_t key = LLAMA_SFI_STEP_FAST;
+        mix(LLAMA_SFI_STEP_FAST);
         for (const uint32_t s : plan->gathering) {
             const auto & st = view->streams[s];
-            key = key*1099511628211ull ^ (4 | (uint64_t) s << 4 | (uint64_t) st.n_sel << 12);
+            mix(4 | (uint64_t) s << 4 | (uint64_t) st.n_sel << 12);
         }
-
-        return key;
     }
 
     if (plan->exporting) {
@@ -96,15 +110,13 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
         // ... and whether it gathers the selection
         const uint64_t gathers = view->n_candidates > 0 && view->gathers(std::min<int64_t>(view->n_candidates, mctx->get_n_kv()));
 
-        uint64_t key = LLAMA_SFI_STEP_SLOW;
+        mix(LLAMA_SFI_STEP_SLOW);
         for (const uint64_t x : { (uint64_t) view->n_candidates, selector, groups, n_kn, gathers }) {
-            key = key*1099511628211ull ^ x;
+            mix(x);
         }
-
-        return key;
     }
 
-    return 0;
+    return key;
 }
 
 void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * mctx, const llama_ubatch & ubatch, llama_sfi_graph_input & inp) {
@@ -150,11 +162,19 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
             ggml_set_input(inp.kn_cells);
             ggml_set_name(inp.kn_cells, "sfi_inp_kn_cells");
         }
+    }
+
+    if (!plan->stores()) {
         return;
     }
 
-    if (!plan->fast()) {
-        return;
+    if (plan->mixed()) {
+        // the kq_mask's type: F16 with flash attention (the view then holds V as the cache does, not transposed)
+        const int64_t ns = ubatch.n_seqs_unq;
+
+        inp.fast_mask = ggml_new_tensor_4d(ctx, view->v_trans ? GGML_TYPE_F32 : GGML_TYPE_F16, plan->n_view, ubatch.n_tokens/ns, 1, ns);
+        ggml_set_input(inp.fast_mask);
+        ggml_set_name(inp.fast_mask, "sfi_inp_fast_mask");
     }
 
     inp.tail_idxs = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, ubatch.n_tokens);
@@ -167,7 +187,7 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
         ggml_set_name(inp.tail_idxs_v, "sfi_inp_tail_idxs_v");
     }
 
-    int32_t n_sel_max = 0;
+    int32_t n_sel_max = inp.sel_slots ? (int32_t) inp.sel_slots->ne[0] : 0; // a SLOW run's gather takes these slots too
     for (const uint32_t s : plan->gathering) {
         const auto & st = view->streams[s];
 
@@ -180,7 +200,7 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
         n_sel_max = std::max(n_sel_max, st.n_sel);
     }
 
-    if (n_sel_max > 0) {
+    if (n_sel_max > 0 && (!inp.sel_slots || inp.sel_slots->ne[0] < n_sel_max)) {
         inp.sel_slots = ggml_new_tensor_1d(ctx, GGML_TYPE_I64, n_sel_max);
         ggml_set_input(inp.sel_slots);
         ggml_set_name(inp.sel_slots, "sfi_inp_sel_slots");
@@ -208,6 +228,10 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
         float * u    = (float *) inp.sel_u->data;
 
         for (int64_t j = 0; j < ns; ++j) {
+            if (plan->steps[j] != LLAMA_SFI_STEP_SLOW) {
+                continue; // (a MIXED ubatch's other streams: no run reads their rows)
+            }
+
             const llama_seq_id seq = ub.seq_id[j*n_tps][0];
 
             const auto range = llama_sfi_selector_range(view, seq);
@@ -256,12 +280,19 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
         ggml_backend_tensor_set(inp.kn_cells, plan->kn_cells.data(), 0, ggml_nbytes(inp.kn_cells));
 
         // the step takes them now
-        for (const uint32_t s : plan->streams) {
-            auto & st = view.streams[s];
+        for (size_t j = 0; j < plan->streams.size(); ++j) {
+            if (plan->steps[j] != LLAMA_SFI_STEP_SLOW) {
+                continue;
+            }
+            auto & st = view.streams[plan->streams[j]];
 
             st.kn_upto = std::max(st.kn_upto, mctx->get_n_kv());
             st.kn_stale.clear();
         }
+    }
+
+    if (inp.fast_mask && inp.fast_mask->buffer) {
+        plan->set_input_fast_mask(inp.fast_mask, &mctx->get_ubatch());
     }
 
     if (inp.tail_idxs && inp.tail_idxs->buffer) {
@@ -420,7 +451,7 @@ void llama_sfi_build_store(
          ggml_tensor * v_cur,
                  int   il) {
     const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
-    if (!plan || !plan->fast()) {
+    if (!plan || !plan->stores()) {
         return;
     }
 

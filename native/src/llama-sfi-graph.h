@@ -19,6 +19,10 @@ struct llama_sfi_graph_input {
     ggml_tensor * sel_slots = nullptr; // I64 [n]           FAST that gathers, SLOW that gathers: the slots 0 .. n-1
     ggml_tensor * tail_idxs_v = nullptr; // I64 [n_tokens*n_embd_v_gqa] FAST, V transposed: element of each channel
 
+    // MIXED with FAST streams: their mask over their views, [n_view, n_tps, 1, ns] of the kq_mask's type (the kq_mask
+    // is the cache's, for the other streams)
+    ggml_tensor * fast_mask = nullptr;
+
     // FAST: per stream that gathers its selection (its first FAST step after it), I32 [n_sel, n_head_kv_max, n_layers] cells
     std::vector<std::pair<uint32_t, ggml_tensor *>> sel;
 
@@ -41,9 +45,12 @@ struct llama_sfi_graph_input {
     uint64_t key = 0; // the SFI topology the graph was built for (see llama_sfi_graph_key)
 };
 
-// the SFI tensors of a graph (a member of llm_graph_result)
-struct llama_sfi_graph_result {
-    // the exports of a SLOW step, per covered layer: [1, n_kv, n_head_kv] ([n_kv, n_head_kv] for the key norms)
+// the exports of a run of SLOW streams s0 .. s0+ns-1 of a ubatch (every stream of a SLOW ubatch)
+struct llama_sfi_run_export {
+    uint32_t s0 = 0;
+    int64_t  ns = 0;
+
+    // per covered layer: [n_cells, n_head_kv, ns] ([n_cells, ns] for the cells)
     std::vector<ggml_tensor *> mass;
     std::vector<ggml_tensor *> evidence;
     std::vector<ggml_tensor *> key_norms;
@@ -58,8 +65,17 @@ struct llama_sfi_graph_result {
     std::vector<ggml_tensor *> sel_kn;
     std::vector<ggml_tensor *> sel_fae;   //   ... or the layer's ggml_sfi_flash_attn_evidence, which gave them
 
-    bool gathered  = false; // SLOW: the graph gathered the device Selector's selection into the view ...
+    bool gathered  = false; // the graph gathered the device Selector's selection into the view ...
     bool sel_cells = false; // ... and sel holds the cell ids it gathered (the host maps no picks)
+
+    bool has_selection() const;
+};
+
+// the SFI tensors of a graph (a member of llm_graph_result)
+struct llama_sfi_graph_result {
+    std::vector<llama_sfi_run_export> runs; // SLOW: the exports of each run of SLOW streams, in ubatch order
+
+    std::vector<ggml_tensor *> key_norms; // per covered layer: every cell's key norms once the step took the new ones
 
     ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
 };

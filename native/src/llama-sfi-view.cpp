@@ -337,20 +337,21 @@ ggml_tensor * llama_sfi_view::get_v(ggml_context * ctx, int32_t il, uint32_t n_k
             ggml_row_size(l.v->type, c_max*n_embd_v)*s0);
 }
 
-void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
+void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast) const {
     GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
 
     // F16 with flash attention, F32 without
     if (dst->type == GGML_TYPE_F16) {
-        fill_kq_mask((ggml_fp16_t *) dst->data, dst, ubatch, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
+        fill_kq_mask((ggml_fp16_t *) dst->data, dst, ubatch, fast, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
     } else {
         GGML_ASSERT(dst->type == GGML_TYPE_F32);
-        fill_kq_mask((float *) dst->data, dst, ubatch, 0.0f, -INFINITY);
+        fill_kq_mask((float *) dst->data, dst, ubatch, fast, 0.0f, -INFINITY);
     }
 }
 
 template <typename T>
-void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, T keep, T drop) const {
+void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast,
+        T keep, T drop) const {
     const int64_t n_slots  = dst->ne[0];
     const int64_t n_tps    = dst->ne[1]; // tokens per stream; the ubatch holds them stream after stream
     const int64_t n_stream = dst->ne[3];
@@ -358,6 +359,10 @@ void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama
     GGML_ASSERT((int64_t) ubatch->n_tokens == n_tps*n_stream);
 
     for (int64_t j = 0; j < n_stream; ++j) {
+        if (fast && !(*fast)[j]) {
+            continue;
+        }
+
         const uint32_t s = stream_of(ubatch->seq_id[j*n_tps][0]);
 
         const auto & st    = streams[s];
@@ -408,12 +413,29 @@ llama_sfi_plan::llama_sfi_plan(llama_sfi_view & view, const std::vector<llama_ub
 }
 
 uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo, uint32_t n_kv) {
-    exporting = step == LLAMA_SFI_STEP_SLOW && exports[u];
-
     s0 = sinfo.s0;
     s1 = sinfo.s1;
 
     streams.assign(sinfo.strm.begin(), sinfo.strm.end());
+
+    // the streams' steps (decode_begin), cut into runs of one step
+    steps.clear();
+    runs.clear();
+    for (const uint32_t s : streams) {
+        const llama_sfi_step st = s < view.stream_steps.size() ? view.stream_steps[s] : step;
+        if (runs.empty() || runs.back().step != st) {
+            runs.push_back({ st, (uint32_t) steps.size(), 0 });
+        }
+        runs.back().n++;
+        steps.push_back(st);
+    }
+    ubatch_step = runs.size() == 1 ? runs[0].step : LLAMA_SFI_STEP_MIXED;
+
+    bool any_slow = false;
+    for (const auto & run : runs) {
+        any_slow |= run.step == LLAMA_SFI_STEP_SLOW;
+    }
+    exporting = any_slow && exports[u];
 
     for (uint32_t j = 0; j < sinfo.n_stream(); ++j) {
         view.note_written(sinfo.strm[j], sinfo.idxs[j]);
@@ -426,8 +448,12 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
     if (exporting && (selects ? view.selector_own_key_norms : view.params.export_key_norms)) {
         const int64_t size = view.kv.get_size();
 
-        for (const uint32_t s : streams) {
-            const auto & st = view.streams[s];
+        for (size_t j = 0; j < streams.size(); ++j) {
+            if (steps[j] != LLAMA_SFI_STEP_SLOW) {
+                continue;
+            }
+            const uint32_t s  = streams[j];
+            const auto &   st = view.streams[s];
 
             for (const uint32_t c : st.kn_stale) {
                 kn_cells.push_back(s*size + c);
@@ -442,21 +468,32 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
         }
     }
 
-    if (step != LLAMA_SFI_STEP_FAST) {
+    n_view = 0;
+    gathering.clear();
+    tail0.assign(sinfo.n_stream(), 0);
+
+    if (!fast() && !mixed()) {
         return n_kv;
     }
 
-    tail0.resize(sinfo.n_stream());
-    gathering.clear();
+    const uint32_t n_tps = sinfo.size();
+
     for (uint32_t j = 0; j < sinfo.n_stream(); ++j) {
-        bool gather = false;
-        tail0[j] = view.apply_ubatch(sinfo.strm[j], sinfo.idxs[j], gather);
-        if (gather) {
-            gathering.push_back(sinfo.strm[j]);
+        const uint32_t s = sinfo.strm[j];
+        if (steps[j] != LLAMA_SFI_STEP_FAST) {
+            // written where no mask of a FAST step keeps a slot before a FAST step wrote it (the last ones)
+            tail0[j] = view.c_max - n_tps;
+            continue;
         }
+        bool gather = false;
+        tail0[j] = view.apply_ubatch(s, sinfo.idxs[j], gather);
+        if (gather) {
+            gathering.push_back(s);
+        }
+        n_view = std::max(n_view, view.n_view(s, s));
     }
 
-    return view.n_view(s0, s1);
+    return fast() ? n_view : n_kv;
 }
 
 ggml_tensor * llama_sfi_plan::get_k(ggml_context * ctx, int32_t il, uint32_t n_kv) const {
@@ -469,6 +506,14 @@ ggml_tensor * llama_sfi_plan::get_v(ggml_context * ctx, int32_t il, uint32_t n_k
 
 void llama_sfi_plan::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
     view.set_input_kq_mask(dst, ubatch);
+}
+
+void llama_sfi_plan::set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
+    std::vector<bool> fast(steps.size());
+    for (size_t j = 0; j < steps.size(); ++j) {
+        fast[j] = steps[j] == LLAMA_SFI_STEP_FAST;
+    }
+    view.set_input_kq_mask(dst, ubatch, &fast);
 }
 
 //

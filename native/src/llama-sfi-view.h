@@ -21,11 +21,12 @@ struct llama_ubatch;
 // the compact view is padded like the dense n_kv (see llama_kv_cache::get_n_kv)
 static constexpr uint32_t LLAMA_SFI_PAD = 256;
 
-// what the decode in progress does with the compact view
+// what the decode in progress does with the compact view, per stream
 enum llama_sfi_step {
     LLAMA_SFI_STEP_DENSE = 0,
     LLAMA_SFI_STEP_SLOW  = 1, // dense attention + export of the attention mass
     LLAMA_SFI_STEP_FAST  = 2, // attention over the compact view only
+    LLAMA_SFI_STEP_MIXED = 3, // of a batch or ubatch: its streams take different steps
 };
 
 // the compact view of one llama_kv_cache
@@ -133,7 +134,9 @@ struct llama_sfi_view {
             (int64_t) selector.k_head + selector.n_sink + selector.n_recent <= params.n_sel_max;
     }
 
-    // mode of the decode in progress (set by llama_sfi_context::decode_begin)
+    // the decode in progress (set by llama_sfi_context::decode_begin): each stream's step, and the batch's (MIXED
+    // when its streams' differ)
+    std::vector<llama_sfi_step> stream_steps;
     llama_sfi_step step = LLAMA_SFI_STEP_DENSE;
 
     void invalidate_seq(llama_seq_id seq); // the stream of seq (every stream for seq < 0)
@@ -174,11 +177,20 @@ struct llama_sfi_view {
     ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
 
-    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
+    // the mask of the streams of ubatch that attend to their views (fast[j]: the ubatch's j-th stream does; nullptr:
+    // every one), [n_slots, n_tps, 1, ns]; the rows of the others are left as they are
+    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast = nullptr) const;
 
 private:
     template <typename T>
-    void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, T keep, T drop) const;
+    void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast, T keep, T drop) const;
+};
+
+// streams j0 .. j0+n-1 of a ubatch (in ubatch order) that take one step
+struct llama_sfi_run {
+    llama_sfi_step step;
+    uint32_t j0;
+    uint32_t n;
 };
 
 // what one batch does with the compact view, ubatch by ubatch (a member of llama_kv_cache_context)
@@ -187,27 +199,37 @@ struct llama_sfi_plan {
 
     llama_sfi_view & view;
 
-    const llama_sfi_step step; // of the batch: FAST ubatches attend to the compact view, SLOW ubatches that end a sequence export
+    const llama_sfi_step step; // of the batch: FAST streams attend to the compact view, SLOW ones that end a sequence export
 
     std::vector<bool> exports; // SLOW: per ubatch, whether it exports
 
     // the ubatch being processed (apply)
-    bool exporting = false; // SLOW, and the ubatch ends one of the batch's sequences
+    llama_sfi_step ubatch_step = LLAMA_SFI_STEP_DENSE; // its streams' step, MIXED when they differ
+    bool exporting = false; // some stream is SLOW, and the ubatch ends one of the batch's sequences
     uint32_t s0 = 0;
     uint32_t s1 = 0;
 
     std::vector<uint32_t> streams; // stream of each sequence of the ubatch, in ubatch order
-    std::vector<uint32_t> gathering; // FAST: the streams of the ubatch that gather their selection
-    std::vector<uint32_t> tail0;     // FAST: per stream of the ubatch, the compact slot of its first token
+    std::vector<llama_sfi_step> steps; // ... and its step
+    std::vector<llama_sfi_run> runs; // MIXED: the streams cut into runs of one step, in ubatch order
+    uint32_t n_view = 0; // MIXED: the slots the FAST streams attend (FAST: the n_kv of the ubatch)
+
+    std::vector<uint32_t> gathering; // FAST streams of the ubatch that gather their selection
+    std::vector<uint32_t> tail0;     // per stream of the ubatch, the compact slot of its first token (FAST streams;
+                                     //   the others write their tokens past any slot a mask keeps)
 
     // SLOW export with key norms: the cells whose key norms the step takes (written since they were last taken),
     // stream*kv_size + cell, padded to a multiple of LLAMA_SFI_PAD with the last one (its size is part of the graph)
     std::vector<int32_t> kn_cells;
 
-    bool fast() const { return step == LLAMA_SFI_STEP_FAST; }
+    bool fast()  const { return ubatch_step == LLAMA_SFI_STEP_FAST; }
+    bool mixed() const { return ubatch_step == LLAMA_SFI_STEP_MIXED; }
+
+    // the ubatch writes the tokens of FAST streams to their views
+    bool stores() const { return fast() || (mixed() && n_view > 0); }
 
     // ubatch u placed in sinfo, which attends n_kv cells of the cache: returns the number it attends instead (FAST:
-    // slots of the view)
+    // slots of the view; MIXED: the cache's cells, the FAST streams' mask is an SFI input)
     uint32_t apply(size_t u, const llama_kv_cache::slot_info & sinfo, uint32_t n_kv);
 
     // FAST: the view instead of the cache
@@ -215,6 +237,9 @@ struct llama_sfi_plan {
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
 
     void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
+
+    // MIXED: the mask of the FAST streams over their views, [n_view, n_tps, 1, ns]
+    void set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
 };
 
 // an edit of the cells of seq (every sequence for seq < 0) invalidates its view; keys_changed: the K of cells that

@@ -9,10 +9,11 @@
 #include "llama-kv-cache.h"
 #include "llama-kv-cache-iswa.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 10
+#define LLAMA_SFI_API_VERSION 11
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -139,7 +140,33 @@ int32_t llama_sfi_set_mode(struct llama_context * ctx, enum llama_sfi_mode mode)
             return LLAMA_SFI_ERR_BAD_ARG;
     }
 
-    ctx->get_sfi()->mode = mode;
+    auto & modes = ctx->get_sfi()->modes;
+    std::fill(modes.begin(), modes.end(), mode);
+
+    return 0;
+}
+
+int32_t llama_sfi_seq_set_mode(struct llama_context * ctx, llama_seq_id seq, enum llama_sfi_mode mode) {
+    if (!ctx || !ctx->get_sfi()) {
+        return LLAMA_SFI_ERR_NOT_INIT;
+    }
+
+    if (seq < 0 || (uint32_t) seq >= ctx->get_cparams().n_seq_max) {
+        return LLAMA_SFI_ERR_BAD_ARG;
+    }
+
+    switch ((int) mode) {
+        case LLAMA_SFI_MODE_DENSE:
+        case LLAMA_SFI_MODE_SLOW:
+        case LLAMA_SFI_MODE_FAST:
+            break;
+        default:
+            return LLAMA_SFI_ERR_BAD_ARG;
+    }
+
+    auto * sfi = ctx->get_sfi();
+
+    sfi->modes[sfi->view->stream_of(seq)] = mode;
 
     return 0;
 }
@@ -483,7 +510,7 @@ uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq
 
     const uint32_t s = sfi->view->stream_of(seq);
 
-    return sfi->status |
+    return sfi->status[s] |
         (sfi->view->streams[s].valid ? LLAMA_SFI_STATUS_VIEW_VALID : 0) |
         (sfi->exports[s].valid       ? LLAMA_SFI_STATUS_MASS_VALID : 0);
 }
