@@ -390,6 +390,48 @@ void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama
     }
 }
 
+void llama_sfi_view::set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense) const {
+    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
+
+    if (dst->type == GGML_TYPE_F16) {
+        fill_dense_kq_mask((ggml_fp16_t *) dst->data, dst, ubatch, dense, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
+    } else {
+        GGML_ASSERT(dst->type == GGML_TYPE_F32);
+        fill_dense_kq_mask((float *) dst->data, dst, ubatch, dense, 0.0f, -INFINITY);
+    }
+}
+
+template <typename T>
+void llama_sfi_view::fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense,
+        T keep, T drop) const {
+    const int64_t n_kv     = dst->ne[0];
+    const int64_t n_tps    = dst->ne[1];
+    const int64_t n_stream = dst->ne[3];
+
+    GGML_ASSERT((int64_t) ubatch->n_tokens == n_tps*n_stream);
+
+    for (int64_t j = 0; j < n_stream; ++j) {
+        if (!dense[j]) {
+            continue;
+        }
+
+        const llama_seq_id seq   = ubatch->seq_id[j*n_tps][0];
+        const auto &       cells = kv.v_cells[stream_of(seq)];
+
+        const int64_t n = std::min<int64_t>(n_kv, cells.used_max_p1());
+
+        for (int64_t t = 0; t < n_tps; ++t) {
+            const llama_pos p1 = ubatch->pos[j*n_tps + t];
+
+            T * row = data + (j*n_tps + t)*n_kv;
+            for (int64_t c = 0; c < n; ++c) {
+                row[c] = !cells.is_empty(c) && cells.seq_has(c, seq) && cells.pos_get(c) <= p1 ? keep : drop;
+            }
+            std::fill(row + n, row + n_kv, drop);
+        }
+    }
+}
+
 //
 // llama_sfi_plan
 //
@@ -505,7 +547,17 @@ ggml_tensor * llama_sfi_plan::get_v(ggml_context * ctx, int32_t il, uint32_t n_k
 }
 
 void llama_sfi_plan::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
-    view.set_input_kq_mask(dst, ubatch);
+    if (fast()) {
+        view.set_input_kq_mask(dst, ubatch);
+        return;
+    }
+
+    // MIXED: the FAST streams' rows are not read (their mask is sfi_inp_fast_mask)
+    std::vector<bool> dense(steps.size());
+    for (size_t j = 0; j < steps.size(); ++j) {
+        dense[j] = steps[j] != LLAMA_SFI_STEP_FAST;
+    }
+    view.set_input_dense_kq_mask(dst, ubatch, dense);
 }
 
 void llama_sfi_plan::set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {

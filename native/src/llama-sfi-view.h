@@ -181,9 +181,16 @@ struct llama_sfi_view {
     // every one), [n_slots, n_tps, 1, ns]; the rows of the others are left as they are
     void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast = nullptr) const;
 
+    // the cache's mask, [n_kv, n_tps, 1, ns], of the streams of ubatch that attend to all their cells (dense[j]): the
+    // causal mask llama.cpp fills (SFI's caches have no SWA and no ALiBi), for those rows only
+    void set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense) const;
+
 private:
     template <typename T>
     void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast, T keep, T drop) const;
+
+    template <typename T>
+    void fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense, T keep, T drop) const;
 };
 
 // streams j0 .. j0+n-1 of a ubatch (in ubatch order) that take one step
@@ -240,6 +247,9 @@ struct llama_sfi_plan {
 
     // MIXED: the mask of the FAST streams over their views, [n_view, n_tps, 1, ns]
     void set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
+
+    // the plan fills the ubatch's kq_mask: FAST, the view's; MIXED, the cache's rows of the other streams only
+    bool fills_kq_mask() const { return fast() || mixed(); }
 };
 
 // an edit of the cells of seq (every sequence for seq < 0) invalidates its view; keys_changed: the K of cells that
