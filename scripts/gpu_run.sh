@@ -158,7 +158,7 @@ if [[ " $stages " == *" host-profile "* ]]; then
             --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 --depths $d -n ${SFI_BENCH_N:-256} \
             ${SFI_BENCH_ARGS:-} 2>&1 | grep -v "^load:" | tail -2
         python3 benchmarks/host_profile.py "$OUT/host-$d.txt" --rate ${SFI_PROFILE_RATE:-100} --root "SFIStepper\.step" \
-            --root "DenseStepper\.step" --root "LlamaContext\.last_logits" --top 30 \
+            --root "DenseStepper\.step" --root "BatchedDecoder\.step" --root "LlamaContext\.last_logits" --top 30 \
             --json "$OUT/host_profile-h200-qwen3-4b-$d.json" > "$OUT/host_profile-$d.txt"
         head -120 "$OUT/host_profile-$d.txt"
         gzip -f "$OUT/host-$d.txt"  # the raw stacks come back too (benchmarks/host_profile.py reads them unpacked)
