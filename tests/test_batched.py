@@ -157,3 +157,20 @@ def test_default_model_batched_equals_alone_until_a_near_tie():
             for run in (a, b):
                 (_, first), (_, second) = run.logprobs[d][2]
                 assert first - second < 0.25
+
+
+def test_sliding_window_model_batched_equals_alone(prompts):
+    """Gemma 3 (iSWA: SFI covers the global layers; the sliding-window ones attend their own cache in the
+    same graph): one llama_decode per step of slow, dense and fast sequences gives each prompt its tokens
+    and slow steps alone."""
+    gemma = SFILlama(str(random_model("tiny-gemma3")), n_ctx=1024, n_parallel=3, n_threads=1)
+    try:
+        decoder = gemma.batched_decoder()
+        decoder.reset_timing()
+        batch = gemma.generate_batch(prompts[:3], max_tokens=40, temperature=0, sfi=SMALL, ignore_eos=True)
+        assert decoder.n_llama_decode == decoder.n_steps and decoder.n_decode["fast"] > 0
+        for prompt, b in zip(prompts[:3], batch):
+            alone = gemma.generate(prompt, max_tokens=40, temperature=0, sfi=SMALL, ignore_eos=True)
+            assert b.tokens == alone.tokens and b.stats.sfi.slow_steps == alone.stats.sfi.slow_steps
+    finally:
+        gemma.close()
