@@ -136,12 +136,11 @@ uint32_t llama_sfi_context::n_graph_nodes() const {
 
 void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
     for (const auto & run : res.runs) {
-        extract_run(sched, res, run, ubatch);
+        extract_run(sched, run, ubatch);
     }
 }
 
-void llama_sfi_context::extract_run(ggml_backend_sched_t sched, const llama_sfi_graph_result & /*graph*/, const llama_sfi_run_export & res,
-        const llama_ubatch & ubatch) {
+void llama_sfi_context::extract_run(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch) {
     if (res.has_selection()) {
         extract_selection(sched, res, ubatch);
         return;

@@ -79,7 +79,7 @@ struct llama_sfi_context {
     void decode_begin(const llama_batch & batch);
     void decode_end();
 
-    // copy the exports of a computed ubatch graph
+    // copy the exports of a computed ubatch graph (of each run of its SLOW streams)
     void extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
 
     // the last SLOW step's selection of stream s -> the view (llama_sfi_seq_load_selection); returns 0 or an error.
@@ -99,6 +99,6 @@ private:
     std::vector<int32_t> picks_buf; // extract_selection's copies of a run's picks and candidates, kept between steps
     std::vector<int32_t> cells_buf;
 
-    void extract_run(ggml_backend_sched_t sched, const llama_sfi_graph_result & graph, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
+    void extract_run(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
     void extract_selection(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
 };
