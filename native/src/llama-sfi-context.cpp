@@ -250,8 +250,8 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     ggml_backend_sched_synchronize(sched);
 
-    std::vector<int32_t> & picks = picks_buf;
-    std::vector<int32_t> & cells = cells_buf;
+    const int32_t * picks = nullptr;
+    const int32_t * cells = nullptr;
 
     std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
     bool any_kept = false;
@@ -302,10 +302,12 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         if (tp != run) {
             run = tp;
             l   = 0;
-            picks.resize(ggml_nelements(tp));
-            cells.resize(ggml_nelements(tc));
-            ggml_backend_tensor_get(tp, picks.data(), 0, ggml_nbytes(tp));
-            ggml_backend_tensor_get(tc, cells.data(), 0, ggml_nbytes(tc));
+            int32_t * p = picks_buf.get(ggml_nelements(tp), ggml_backend_buffer_get_type(tp->buffer));
+            int32_t * c = cells_buf.get(ggml_nelements(tc), ggml_backend_buffer_get_type(tc->buffer));
+            ggml_backend_tensor_get(tp, p, 0, ggml_nbytes(tp));
+            ggml_backend_tensor_get(tc, c, 0, ggml_nbytes(tc));
+            picks = p;
+            cells = c;
         }
 
         const int64_t h_layer = tp->ne[1];
@@ -315,12 +317,12 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
             const int64_t b = l*ns + j;
 
-            std::copy(cells.begin() + b*n_cand, cells.begin() + (b + 1)*n_cand, ex.cells.begin() + i*n_cand);
+            std::copy(cells + b*n_cand, cells + (b + 1)*n_cand, ex.cells.begin() + i*n_cand);
 
             auto & dst = ids ? ex.selection : ex.picks;
             for (size_t h = 0; h < n_head_kv; ++h) {
                 // a layer with fewer KV heads repeats its first head's cells (never read)
-                const int32_t * src = picks.data() + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
+                const int32_t * src = picks + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
                 std::copy_n(src, n_sel, dst.begin() + (i*n_head_kv + h)*n_sel);
             }
         }
@@ -355,6 +357,21 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             ex.gathered = res.gathered && !any_kept && ex.shared.size() <= (size_t) view->selector.n_sink + view->selector.n_recent;
         }
     }
+}
+
+int32_t * llama_sfi_context::host_ints::get(size_t n, ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = buft ? ggml_backend_buft_get_device(buft) : nullptr;
+    ggml_backend_buffer_type_t host = dev && !ggml_backend_buft_is_host(buft) ? ggml_backend_dev_host_buffer_type(dev) : nullptr;
+    if (host) {
+        if (!pinned || ggml_backend_buffer_get_type(pinned.get()) != host || ggml_backend_buffer_get_size(pinned.get()) < n*sizeof(int32_t)) {
+            pinned.reset(ggml_backend_buft_alloc_buffer(host, n*sizeof(int32_t)));
+        }
+        if (pinned) {
+            return (int32_t *) ggml_backend_buffer_get_base(pinned.get());
+        }
+    }
+    pageable.resize(n);
+    return pageable.data();
 }
 
 void llama_sfi_context::map_selection(uint32_t s) {

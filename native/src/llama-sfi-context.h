@@ -7,6 +7,7 @@
 #include "llama-sfi-graphs.h"
 
 #include "ggml-backend.h"
+#include "ggml-cpp.h"
 
 #include <cstdint>
 #include <memory>
@@ -96,8 +97,18 @@ struct llama_sfi_context {
     uint32_t n_graph_nodes() const;
 
 private:
-    std::vector<int32_t> picks_buf; // extract_selection's copies of a run's picks and candidates, kept between steps
-    std::vector<int32_t> cells_buf;
+    // extract_selection's copies of a run's picks and candidates, kept between steps: in the device's pinned host
+    // memory where it has one (a copy from a device into pageable memory goes through a staging buffer)
+    struct host_ints {
+        ggml_backend_buffer_ptr pinned;
+        std::vector<int32_t>    pageable;
+
+        // room for n values, for copies from tensors of buffer type buft
+        int32_t * get(size_t n, ggml_backend_buffer_type_t buft);
+    };
+
+    host_ints picks_buf;
+    host_ints cells_buf;
 
     void extract_run(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
     void extract_selection(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
