@@ -337,16 +337,22 @@ ggml_tensor * llama_sfi_view::get_v(ggml_context * ctx, int32_t il, uint32_t n_k
             ggml_row_size(l.v->type, c_max*n_embd_v)*s0);
 }
 
-void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast) const {
+// fill(data, keep, drop) with a mask's data as its type's values, and the values that keep or drop a slot: F16 with
+// flash attention, F32 without
+template <typename F>
+static void llama_sfi_fill_mask(ggml_tensor * dst, F && fill) {
     GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
 
-    // F16 with flash attention, F32 without
     if (dst->type == GGML_TYPE_F16) {
-        fill_kq_mask((ggml_fp16_t *) dst->data, dst, ubatch, fast, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
+        fill((ggml_fp16_t *) dst->data, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
     } else {
         GGML_ASSERT(dst->type == GGML_TYPE_F32);
-        fill_kq_mask((float *) dst->data, dst, ubatch, fast, 0.0f, -INFINITY);
+        fill((float *) dst->data, 0.0f, -INFINITY);
     }
+}
+
+void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast) const {
+    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_kq_mask(data, dst, ubatch, fast, keep, drop); });
 }
 
 template <typename T>
@@ -391,14 +397,7 @@ void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama
 }
 
 void llama_sfi_view::set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense) const {
-    GGML_ASSERT(ggml_backend_buffer_is_host(dst->buffer));
-
-    if (dst->type == GGML_TYPE_F16) {
-        fill_dense_kq_mask((ggml_fp16_t *) dst->data, dst, ubatch, dense, ggml_fp32_to_fp16(0.0f), ggml_fp32_to_fp16(-INFINITY));
-    } else {
-        GGML_ASSERT(dst->type == GGML_TYPE_F32);
-        fill_dense_kq_mask((float *) dst->data, dst, ubatch, dense, 0.0f, -INFINITY);
-    }
+    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_dense_kq_mask(data, dst, ubatch, dense, keep, drop); });
 }
 
 template <typename T>

@@ -126,18 +126,17 @@ int32_t llama_sfi_layer_info(const struct llama_context * ctx, int32_t i, int32_
     return 0;
 }
 
+static bool llama_sfi_mode_valid(enum llama_sfi_mode mode) {
+    return mode == LLAMA_SFI_MODE_DENSE || mode == LLAMA_SFI_MODE_SLOW || mode == LLAMA_SFI_MODE_FAST;
+}
+
 int32_t llama_sfi_set_mode(struct llama_context * ctx, enum llama_sfi_mode mode) {
     if (!ctx || !ctx->get_sfi()) {
         return LLAMA_SFI_ERR_NOT_INIT;
     }
 
-    switch ((int) mode) {
-        case LLAMA_SFI_MODE_DENSE:
-        case LLAMA_SFI_MODE_SLOW:
-        case LLAMA_SFI_MODE_FAST:
-            break;
-        default:
-            return LLAMA_SFI_ERR_BAD_ARG;
+    if (!llama_sfi_mode_valid(mode)) {
+        return LLAMA_SFI_ERR_BAD_ARG;
     }
 
     auto & modes = ctx->get_sfi()->modes;
@@ -155,13 +154,8 @@ int32_t llama_sfi_seq_set_mode(struct llama_context * ctx, llama_seq_id seq, enu
         return LLAMA_SFI_ERR_BAD_ARG;
     }
 
-    switch ((int) mode) {
-        case LLAMA_SFI_MODE_DENSE:
-        case LLAMA_SFI_MODE_SLOW:
-        case LLAMA_SFI_MODE_FAST:
-            break;
-        default:
-            return LLAMA_SFI_ERR_BAD_ARG;
+    if (!llama_sfi_mode_valid(mode)) {
+        return LLAMA_SFI_ERR_BAD_ARG;
     }
 
     auto * sfi = ctx->get_sfi();
