@@ -374,6 +374,21 @@ def test_cache_edit_invalidates_only_that_sequence(tiny):
         b.close()
 
 
+def test_a_sequence_s_mode_refuses_bad_input(tiny):
+    b = MultiCtx(tiny)
+    try:
+        sfi = SFINative(b.ctx, n_sel_max=64, n_tail_max=16)
+        for mode, seq in ((7, 0), (SFINative.FAST, N_SEQ), (SFINative.FAST, -1)):
+            with pytest.raises(native.SFIError) as e:
+                sfi.set_mode(mode, seq=seq)
+            assert e.value.code == native.ERR_BAD_ARG
+        sfi.set_mode(SFINative.SLOW, seq=1)  # one sequence slow, the others as set for all (dense)
+        b.step({s: 3 for s in range(N_SEQ)})
+        assert [sfi.mass(s) is not None for s in range(N_SEQ)] == [False, True, False]
+    finally:
+        b.close()
+
+
 def test_sequence_view_acts_on_its_sequence(tiny):
     """SFISequence: the per-sequence calls read and write its own sequence; the export settings it asks for
     are kept per view; a call that would read sequence 0 is refused."""
