@@ -89,6 +89,7 @@ class BatchedDecoder:
         self.t_decode = {kind: 0.0 for kind in GROUP_ORDER}  # llama_decode time, by the decode's first kind
         self.n_decode = {kind: 0 for kind in GROUP_ORDER}    # sequence-steps per kind
         self.n_llama_decode = 0                              # llama_decode calls
+        self.n_mixed = 0                                     # ... that held slow and fast sequences
 
     def close(self) -> None:
         if self._batch is not None:
@@ -152,6 +153,7 @@ class BatchedDecoder:
             seconds = time.perf_counter() - t_group
             kinds = {kind for _, kind in group}
             self.t_decode[next(k for k in GROUP_ORDER if k in kinds)] += seconds
+            self.n_mixed += {"slow", "fast"} <= kinds
             for slot, kind in group:
                 self.n_decode[kind] += 1
             for slot, kind in group:  # while the decode's logits are there

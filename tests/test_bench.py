@@ -105,3 +105,21 @@ def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeyp
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, log=lambda _: None)[0]
     assert row.config_overrides == config_overrides(config) and row.composite_ops is False
     assert row.fa_evidence_env == "0"
+
+
+@pytest.mark.real_model
+def test_staggered_sequences_refresh_on_different_steps(model):
+    """`--batch N --stagger S`: started S steps apart, the sequences' refreshes (on random weights one every
+    16 steps after the last) fall on different steps, so the timed steps mix slow and fast sequences; a row
+    says so, and a stagger the decoded tokens cannot hold is refused."""
+    from sfi_gguf.tools.bench import run_bench_batched
+
+    config = SFIConfig(k_head=64, n_recent=64, min_context=0)
+    together, staggered = (run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=N_DECODE, n_threads=2,
+                                             config=config, stagger=s, log=lambda _: None)[0] for s in (0, 4))
+    assert (together.stagger, staggered.stagger, staggered.batch) == (0, 4, 4)
+    assert staggered.slow_steps > 0 and staggered.fast_steps > 0 and staggered.sfi_tok_s > 0
+    assert staggered.mixed_steps > together.mixed_steps
+    with pytest.raises(ValueError):
+        run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=8, n_threads=2, config=config, stagger=4,
+                          log=lambda _: None)

@@ -62,6 +62,8 @@ class BenchRow:
     policy: str
     git_commit: str
     batch: int = 1
+    stagger: int = 0               # batched: steps between the sequences' starts (0: all at once), see run_bench_batched
+    mixed_steps: int = 0           # batched: steps that held slow and fast sequences
     split_mode: str = "layer"
     n_gpus: int = 0                # GPUs holding layers (llama.cpp's device count; 0 on the CPU)
     selection_delay: int = 0       # > 0: the Selector ran in a background thread, overlapped with fast steps
@@ -309,10 +311,18 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
                       n_threads: int | None = None, flash_attn: bool | None = None,
                       config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
-                      log: Callable[[str], None] = print) -> list[BenchRow]:
+                      stagger: int = 0, log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
-    own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps)."""
+    own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps).
+
+    stagger: sequence i starts i x stagger steps after the first, and only the steps in which all of them
+    decode are timed, so that their refreshes fall on different steps, as a server's requests do (started
+    together, each one's refreshes come a fixed number of steps after its last on random weights, and so
+    stay in step)."""
     from ..batched import Request
+
+    if stagger < 0 or stagger * (batch - 1) >= n_decode:
+        raise ValueError(f"stagger {stagger}: the sequences' starts must lie within the {n_decode} decoded tokens")
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
@@ -322,15 +332,34 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
 
         def run(depth: int, cfg: SFIConfig) -> tuple[float, list]:
-            """One teacher-forced decode of n_decode tokens per sequence; (seconds of the steps, requests)."""
+            """One teacher-forced decode of n_decode tokens per sequence; (seconds per batch x n_decode tokens
+            of the timed steps, requests)."""
             requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode]),
                                 max_tokens=n_decode + 1, ignore_eos=True, config=cfg) for t in texts]
-            for r in requests:
+            if not stagger:
+                for r in requests:
+                    decoder.add(r)
+                decoder.reset_timing()
+                while decoder.active:
+                    decoder.step()
+                return decoder.t_steps, requests
+            for i, r in enumerate(requests):  # the later ones join while the first ones decode
                 decoder.add(r)
+                for _ in range(stagger if i + 1 < len(requests) else 0):
+                    decoder.step()
             decoder.reset_timing()
+            while len(decoder.active) == batch and not any(r.done for r in requests):
+                decoder.step()
+            # the timed steps' times and counts, scaled to n_decode steps (what a run of all at once reports)
+            scale = n_decode / max(1, decoder.n_steps)
+            timed = decoder.t_steps * scale
+            t_kinds = {k: v * scale for k, v in decoder.t_decode.items()}
+            n_kinds = {k: round(v * scale) for k, v in decoder.n_decode.items()}
+            n_mixed = round(decoder.n_mixed * scale)
             while decoder.active:
                 decoder.step()
-            return decoder.t_steps, requests
+            decoder.t_decode, decoder.n_decode, decoder.n_mixed = t_kinds, n_kinds, n_mixed
+            return timed, requests
 
         dense = SFIConfig(policy="dense")
         budget_depth = _budget(config, depths[-1])
@@ -348,10 +377,11 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
             selector = sum(s.t_selector for s in stats)
             decoded = sum(decoder.t_decode.values())
             row = BenchRow(
-                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
+                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth, stagger=stagger,
                 k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
                 dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
                 ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
+                mixed_steps=decoder.n_mixed,
                 dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
                 t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
                 t_python_s=max(0.0, sfi_s - decoded - selector),
@@ -430,6 +460,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=1,
                    help="sequences decoding together (batched SFI), each with its own text at the depth; "
                         "tok/s are then aggregate")
+    p.add_argument("--stagger", type=int, default=0,
+                   help="with --batch: start sequence i i x STAGGER steps after the first and time only the steps "
+                        "in which all decode, so that their refreshes fall on different steps (as a server's "
+                        "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap)")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -452,6 +486,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = sfi_config_from_args(args, warn=lambda text: print(f"sfi-gguf bench: warning: {text}", file=sys.stderr))
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
+    if args.stagger and (args.batch < 2 or args.stagger < 0 or args.stagger * (args.batch - 1) >= args.n_decode):
+        raise SystemExit("--stagger: needs --batch > 1, and the sequences' starts within the decoded tokens "
+                         "(stagger x (batch - 1) < -n)")
     trace = None
     if args.confidence_trace:
         if args.batch > 1:
@@ -464,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                   flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
                   split_mode=args.split_mode)
-    rows = (run_bench_batched(model, batch=args.batch, **kwargs) if args.batch > 1
+    rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, **kwargs) if args.batch > 1
             else run_bench(model, confidence_trace=trace, **kwargs))
     print()
     print(markdown_table(rows))
