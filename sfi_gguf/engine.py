@@ -23,8 +23,9 @@ GPU_MIN_CONTEXT = 24576
 CPU_MIN_CONTEXT = 2048
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise): the H200 measured 1.37x batched dense at 16 x 32K and
-# 2.23x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.24x at 32K.
+# (unless SFIConfig.min_context says otherwise): the H200 measured 1.38x batched dense at 4 x 32K, 1.83x at
+# 16 x 32K and 2.48x at 4 x 128K (BENCHMARKS.md, "Batched SFI"), as a single sequence is 1.31x at 32K; smaller
+# contexts were not measured batched.
 GPU_BATCHED_MIN_CONTEXT = 32768
 
 
