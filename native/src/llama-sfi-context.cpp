@@ -15,6 +15,7 @@
 
 void llama_sfi_export::reset() {
     valid    = false;
+    in_range = false;
     n_cells  = 0;
     n_rows   = 0;
     n_sel    = 0;
@@ -346,8 +347,9 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         ex.valid    = true;
 
         // every candidate lies in the Selector's range when the range holds n_cand cells (the others score -inf
-        // when the candidates are taken); otherwise check the picks now
-        if (!kept[j] || any_kept || st.n_in_range < n_cand) {
+        // when the candidates are taken), and so does every pick of a refreshed layer; otherwise check the picks now
+        ex.in_range = kept[j] && !any_kept && st.n_in_range >= n_cand;
+        if (!ex.in_range) {
             map_selection(s);
         }
 
@@ -409,16 +411,17 @@ void llama_sfi_context::map_selection(uint32_t s) {
     }
     ex.picks.clear();
 
-    // fewer cells in the range than k_head: some picks lie outside it, no selection
-    const auto & kv_cells = view->kv.get_cells(ex.seq);
-    const auto   in_range = llama_sfi_cells_holding(kv_cells, ex.seq, ex.range.first, ex.range.second);
-
-    // every cell checked, without a branch per cell (a bad one is rare)
-    const uint32_t n_cells = in_range.size();
-
+    // fewer cells in the range than k_head: some picks lie outside it, no selection (every cell checked, without a
+    // branch per cell: a bad one is rare), unless the picks are known to lie in it
     uint8_t bad = 0;
-    for (const int32_t c : ex.selection) {
-        bad |= (uint32_t) c < n_cells ? in_range[c] ^ 1 : 1;
+    if (!ex.in_range) {
+        const auto & kv_cells = view->kv.get_cells(ex.seq);
+        const auto   in_range = llama_sfi_cells_holding(kv_cells, ex.seq, ex.range.first, ex.range.second);
+
+        const uint32_t n_cells = in_range.size();
+        for (const int32_t c : ex.selection) {
+            bad |= (uint32_t) c < n_cells ? in_range[c] ^ 1 : 1;
+        }
     }
 
     const bool ok = ex.n_edits == view->streams[s].n_edits && bad == 0;

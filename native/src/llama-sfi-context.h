@@ -44,6 +44,7 @@ struct llama_sfi_export {
     // host work then runs while the next step computes, or when something reads the selection
     std::vector<int32_t> picks;
     bool mapped = true;
+    bool in_range = false; // every pick is known to lie in the Selector's range (map_selection need not check it)
 
     llama_seq_id seq = -1;                      // the sequence of the stream at the step ...
     std::pair<llama_pos, llama_pos> range;      // ... and the positions its Selector chose from
