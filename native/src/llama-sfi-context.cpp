@@ -239,16 +239,6 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     const uint32_t n_tps = ubatch.n_tokens/ubatch.n_seqs_unq;
 
-    // the sequence of stream s of the ubatch
-    auto seq_of = [&](uint32_t s) {
-        for (uint32_t j = 0; j < ubatch.n_seqs_unq; ++j) {
-            if (view->stream_of(ubatch.seq_id[j*n_tps][0]) == s) {
-                return ubatch.seq_id[j*n_tps][0];
-            }
-        }
-        GGML_ABORT("stream %u is not in the ubatch", s);
-    };
-
     ggml_backend_sched_synchronize(sched);
 
     const int32_t * picks = nullptr;
@@ -332,7 +322,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
     for (int64_t j = 0; j < ns; ++j) {
         const uint32_t     s   = res.s0 + j;
-        const llama_seq_id seq = seq_of(s);
+        const llama_seq_id seq = ubatch.seq_id[(res.j0 + j)*n_tps][0];
 
         auto & ex = exports[s];
         auto & st = view->streams[s];

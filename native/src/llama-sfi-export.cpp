@@ -321,21 +321,23 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
     return fa;
 }
 
+// streams j0 .. j0+n-1 of t, whose dim d is the ubatch's streams
+static ggml_tensor * llama_sfi_streams(ggml_context * ctx, ggml_tensor * t, int d, uint32_t j0, uint32_t n) {
+    int64_t ne[GGML_MAX_DIMS];
+    for (int k = 0; k < GGML_MAX_DIMS; ++k) {
+        ne[k] = k == d ? n : t->ne[k];
+    }
+    return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], j0*t->nb[d]);
+}
+
 // the SLOW inputs of streams j0 .. j0+n-1 of the ubatch (inp itself when they are all of them)
 static llama_sfi_graph_input llama_sfi_run_inputs(ggml_context * ctx, const llama_sfi_graph_input & inp, uint32_t j0, uint32_t n) {
     llama_sfi_graph_input run = inp;
     if (inp.sel_mask && (j0 > 0 || n < inp.sel_mask->ne[3])) {
-        auto streams = [&](ggml_tensor * t, int d) { // dim d of t is the stream's
-            int64_t ne[GGML_MAX_DIMS];
-            for (int k = 0; k < GGML_MAX_DIMS; ++k) {
-                ne[k] = k == d ? n : t->ne[k];
-            }
-            return ggml_view_4d(ctx, t, ne[0], ne[1], ne[2], ne[3], t->nb[1], t->nb[2], t->nb[3], j0*t->nb[d]);
-        };
-        run.sel_mask = streams(inp.sel_mask, 3);
-        run.sel_u    = streams(inp.sel_u, 2);
+        run.sel_mask = llama_sfi_streams(ctx, inp.sel_mask, 3, j0, n);
+        run.sel_u    = llama_sfi_streams(ctx, inp.sel_u,    2, j0, n);
         if (inp.shared) {
-            run.shared = streams(inp.shared, 2);
+            run.shared = llama_sfi_streams(ctx, inp.shared, 2, j0, n);
         }
     }
     return run;
@@ -492,10 +494,8 @@ ggml_tensor * llama_sfi_build_attn(
     // joined in ubatch order
     const int64_t n_tps = q->ne[2]/(int64_t) plan->streams.size();
 
-    // streams j0 .. j0+n-1 of t, whose dim 3 is the ubatch's streams
-    auto streams = [&](ggml_tensor * t, const llama_sfi_run & run) {
-        return ggml_view_4d(ctx, t, t->ne[0], t->ne[1], t->ne[2], run.n, t->nb[1], t->nb[2], t->nb[3], run.j0*t->nb[3]);
-    };
+    // the run's streams of t, whose dim 3 is the ubatch's streams
+    auto streams = [&](ggml_tensor * t, const llama_sfi_run & run) { return llama_sfi_streams(ctx, t, 3, run.j0, run.n); };
 
     std::vector<ggml_tensor *> outs;
     size_t n_slow = 0;
@@ -518,6 +518,7 @@ ggml_tensor * llama_sfi_build_attn(
             if (res.runs.size() <= n_slow) {
                 res.runs.resize(n_slow + 1);
             }
+            res.runs[n_slow].j0 = run.j0;
             cur = llama_sfi_build_export(ctx, gf, res, res.runs[n_slow], *plan, llama_sfi_run_inputs(ctx, inp, run.j0, run.n),
                     hparams, s0, q_r, k_r, mask_r, sinks, kq_scale, cur, il);
             n_slow++;

@@ -45,10 +45,12 @@ struct llama_sfi_graph_input {
     uint64_t key = 0; // the SFI topology the graph was built for (see llama_sfi_graph_key)
 };
 
-// the exports of a run of SLOW streams s0 .. s0+ns-1 of a ubatch (every stream of a SLOW ubatch)
+// the exports of a run of SLOW streams s0 .. s0+ns-1 of a ubatch (every stream of a SLOW ubatch), the ubatch's
+// streams j0 .. j0+ns-1
 struct llama_sfi_run_export {
     uint32_t s0 = 0;
     int64_t  ns = 0;
+    uint32_t j0 = 0;
 
     // per covered layer: [n_cells, n_head_kv, ns] ([n_cells, ns] for the cells)
     std::vector<ggml_tensor *> mass;

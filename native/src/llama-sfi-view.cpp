@@ -351,13 +351,13 @@ static void llama_sfi_fill_mask(ggml_tensor * dst, F && fill) {
     }
 }
 
-void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast) const {
-    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_kq_mask(data, dst, ubatch, fast, keep, drop); });
+void llama_sfi_view::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> * steps) const {
+    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_kq_mask(data, dst, ubatch, steps, keep, drop); });
 }
 
 template <typename T>
-void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast,
-        T keep, T drop) const {
+void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch,
+        const std::vector<llama_sfi_step> * steps, T keep, T drop) const {
     const int64_t n_slots  = dst->ne[0];
     const int64_t n_tps    = dst->ne[1]; // tokens per stream; the ubatch holds them stream after stream
     const int64_t n_stream = dst->ne[3];
@@ -365,7 +365,7 @@ void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama
     GGML_ASSERT((int64_t) ubatch->n_tokens == n_tps*n_stream);
 
     for (int64_t j = 0; j < n_stream; ++j) {
-        if (fast && !(*fast)[j]) {
+        if (steps && (*steps)[j] != LLAMA_SFI_STEP_FAST) {
             continue;
         }
 
@@ -396,13 +396,13 @@ void llama_sfi_view::fill_kq_mask(T * data, const ggml_tensor * dst, const llama
     }
 }
 
-void llama_sfi_view::set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense) const {
-    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_dense_kq_mask(data, dst, ubatch, dense, keep, drop); });
+void llama_sfi_view::set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> & steps) const {
+    llama_sfi_fill_mask(dst, [&](auto * data, auto keep, auto drop) { fill_dense_kq_mask(data, dst, ubatch, steps, keep, drop); });
 }
 
 template <typename T>
-void llama_sfi_view::fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense,
-        T keep, T drop) const {
+void llama_sfi_view::fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch,
+        const std::vector<llama_sfi_step> & steps, T keep, T drop) const {
     const int64_t n_kv     = dst->ne[0];
     const int64_t n_tps    = dst->ne[1];
     const int64_t n_stream = dst->ne[3];
@@ -410,7 +410,7 @@ void llama_sfi_view::fill_dense_kq_mask(T * data, const ggml_tensor * dst, const
     GGML_ASSERT((int64_t) ubatch->n_tokens == n_tps*n_stream);
 
     for (int64_t j = 0; j < n_stream; ++j) {
-        if (!dense[j]) {
+        if (steps[j] == LLAMA_SFI_STEP_FAST) {
             continue;
         }
 
@@ -462,6 +462,7 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
     // the streams' steps (decode_begin), cut into runs of one step
     steps.clear();
     runs.clear();
+    bool any_slow = false;
     for (const uint32_t s : streams) {
         const llama_sfi_step st = s < view.stream_steps.size() ? view.stream_steps[s] : step;
         if (runs.empty() || runs.back().step != st) {
@@ -469,14 +470,10 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
         }
         runs.back().n++;
         steps.push_back(st);
+        any_slow |= st == LLAMA_SFI_STEP_SLOW;
     }
     ubatch_step = runs.size() == 1 ? runs[0].step : LLAMA_SFI_STEP_MIXED;
-
-    bool any_slow = false;
-    for (const auto & run : runs) {
-        any_slow |= run.step == LLAMA_SFI_STEP_SLOW;
-    }
-    exporting = any_slow && exports[u];
+    exporting   = any_slow && exports[u];
 
     for (uint32_t j = 0; j < sinfo.n_stream(); ++j) {
         view.note_written(sinfo.strm[j], sinfo.idxs[j]);
@@ -552,19 +549,11 @@ void llama_sfi_plan::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * u
     }
 
     // MIXED: the FAST streams' rows are not read (their mask is sfi_inp_fast_mask)
-    std::vector<bool> dense(steps.size());
-    for (size_t j = 0; j < steps.size(); ++j) {
-        dense[j] = steps[j] != LLAMA_SFI_STEP_FAST;
-    }
-    view.set_input_dense_kq_mask(dst, ubatch, dense);
+    view.set_input_dense_kq_mask(dst, ubatch, steps);
 }
 
 void llama_sfi_plan::set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
-    std::vector<bool> fast(steps.size());
-    for (size_t j = 0; j < steps.size(); ++j) {
-        fast[j] = steps[j] == LLAMA_SFI_STEP_FAST;
-    }
-    view.set_input_kq_mask(dst, ubatch, &fast);
+    view.set_input_kq_mask(dst, ubatch, &steps);
 }
 
 //

@@ -177,20 +177,22 @@ struct llama_sfi_view {
     ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv, uint32_t s0, uint32_t s1) const;
 
-    // the mask of the streams of ubatch that attend to their views (fast[j]: the ubatch's j-th stream does; nullptr:
-    // every one), [n_slots, n_tps, 1, ns]; the rows of the others are left as they are
-    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast = nullptr) const;
+    // the mask of the streams of ubatch that attend to their views (steps[j]: the ubatch's j-th stream's step, FAST
+    // for those; nullptr: every one), [n_slots, n_tps, 1, ns]; the rows of the others are left as they are
+    void set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> * steps = nullptr) const;
 
-    // the cache's mask, [n_kv, n_tps, 1, ns], of the streams of ubatch that attend to all their cells (dense[j]): the
-    // causal mask llama.cpp fills (SFI's caches have no SWA and no ALiBi), for those rows only
-    void set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense) const;
+    // the cache's mask, [n_kv, n_tps, 1, ns], of the streams of ubatch that attend to all their cells (steps[j] other
+    // than FAST): the causal mask llama.cpp fills (SFI's caches have no SWA and no ALiBi), for those rows only
+    void set_input_dense_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> & steps) const;
 
 private:
     template <typename T>
-    void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> * fast, T keep, T drop) const;
+    void fill_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> * steps,
+            T keep, T drop) const;
 
     template <typename T>
-    void fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<bool> & dense, T keep, T drop) const;
+    void fill_dense_kq_mask(T * data, const ggml_tensor * dst, const llama_ubatch * ubatch, const std::vector<llama_sfi_step> & steps,
+            T keep, T drop) const;
 };
 
 // streams j0 .. j0+n-1 of a ubatch (in ubatch order) that take one step
