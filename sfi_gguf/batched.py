@@ -154,9 +154,8 @@ class BatchedDecoder:
             kinds = {kind for _, kind in group}
             self.t_decode[next(k for k in GROUP_ORDER if k in kinds)] += seconds
             self.n_mixed += {"slow", "fast"} <= kinds
-            for slot, kind in group:
-                self.n_decode[kind] += 1
             for slot, kind in group:  # while the decode's logits are there
+                self.n_decode[kind] += 1
                 slot.stepper.finish(kind, seconds)
                 self._sample(slot)
         for slot in self.active:

@@ -307,6 +307,15 @@ class ForcedTokens:
         pass
 
 
+def check_stagger(stagger: int, batch: int, n_decode: int) -> None:
+    """ValueError unless sequences started `stagger` steps apart all start within the n_decode decoded tokens."""
+    if stagger and batch < 2:
+        raise ValueError("it needs --batch > 1")
+    if stagger < 0 or stagger * (batch - 1) >= n_decode:
+        raise ValueError(f"stagger {stagger}: the sequences' starts must lie within the {n_decode} decoded tokens "
+                         f"(stagger x (batch - 1) < n)")
+
+
 def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", weight_type: str = "",
                       depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
                       n_threads: int | None = None, flash_attn: bool | None = None,
@@ -321,8 +330,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
     stay in step)."""
     from ..batched import Request
 
-    if stagger < 0 or stagger * (batch - 1) >= n_decode:
-        raise ValueError(f"stagger {stagger}: the sequences' starts must lie within the {n_decode} decoded tokens")
+    check_stagger(stagger, batch, n_decode)
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
@@ -486,9 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = sfi_config_from_args(args, warn=lambda text: print(f"sfi-gguf bench: warning: {text}", file=sys.stderr))
     if args.batch < 1:
         raise SystemExit("--batch must be >= 1")
-    if args.stagger and (args.batch < 2 or args.stagger < 0 or args.stagger * (args.batch - 1) >= args.n_decode):
-        raise SystemExit("--stagger: needs --batch > 1, and the sequences' starts within the decoded tokens "
-                         "(stagger x (batch - 1) < -n)")
+    try:
+        check_stagger(args.stagger, args.batch, args.n_decode)
+    except ValueError as e:
+        raise SystemExit(f"--stagger: {e}")
     trace = None
     if args.confidence_trace:
         if args.batch > 1:
