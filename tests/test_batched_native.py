@@ -289,10 +289,13 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
                 if mix[s] != "S":
                     continue
                 if export == "device_selector":
-                    # (a near-tie may go the other way in another batch: a few cells of a row on a GPU; another
-                    # sequence's selection would share a quarter)
+                    # the same cells in each row up to near-ties, which may go the other way in another batch (a
+                    # few cells of a row on a GPU; another sequence's selection would share about a quarter)
                     x, ref = sfi_one.selection(s), sfi_kind.selection(s)
-                    assert x.shape == ref.shape and np.mean(x == ref) > 0.9, (step, s)
+                    assert x.shape == ref.shape, (step, s)
+                    rows_x, rows_ref = x.reshape(-1, x.shape[-1]), ref.reshape(-1, ref.shape[-1])
+                    shared = [len(np.intersect1d(a, b)) / len(a) for a, b in zip(rows_x, rows_ref)]
+                    assert min(shared) > 0.9, (step, s, shared)
                     # (selections that differ by a near-tie would part the next fast steps' logits: then
                     # both take all their cells again)
                     same = np.array_equal(x, ref)

@@ -119,6 +119,36 @@ def test_llama_cpp_logs_only_when_verbose(capfd):
             assert capfd.readouterr().err == ""
 
 
+def test_library_log_filter_keeps_debug_lines_out_of_python_unless_verbose():
+    """Behind llama_sfi_log_set's filter a context's debug lines (a GPU backend logs some at every decode) reach the
+    callback only when verbose; the info lines always do (the verbosity moves the filter's level)."""
+    import ctypes
+
+    from sfi_gguf import _log
+    from sfi_gguf._native import lib, llama_cpp
+
+    levels: list[int] = []
+
+    @llama_cpp.llama_log_callback
+    def capture(level, text, user_data):
+        levels.append(level)
+
+    path = random_model("tiny-qwen3", n_layer=2)
+    seen = {}
+    lib.llama_sfi_log_set(capture, ctypes.c_void_p(0), 2)
+    try:
+        for verbose in (False, True):
+            levels.clear()
+            LlamaContext(path, n_ctx=256, n_gpu_layers=0, n_threads=1, n_batch=64, flash_attn=True,
+                         verbose=verbose).close()
+            seen[verbose] = set(levels)
+    finally:
+        _log.install()
+    debug, info = 1, 2  # enum ggml_log_level
+    assert info in seen[False] and debug not in seen[False]
+    assert info in seen[True] and debug in seen[True]
+
+
 @pytest.mark.real_model
 def test_default_model_is_assembled_and_verified():
     path = ensure_model()

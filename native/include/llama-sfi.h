@@ -260,6 +260,14 @@ extern "C" {
     // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq);
 
+    // llama_log_set(callback, user_data) behind a filter that drops messages below min_level (and the lines that
+    // continue them) before they reach callback: a callback into an interpreter costs tens of microseconds a
+    // message, and a GPU backend logs debug lines at every decode. A NULL callback restores llama.cpp's default.
+    LLAMA_API void llama_sfi_log_set(ggml_log_callback callback, void * user_data, enum ggml_log_level min_level);
+
+    // the filter's min_level alone (no effect on a callback installed with llama_log_set)
+    LLAMA_API void llama_sfi_log_set_min_level(enum ggml_log_level min_level);
+
 #ifdef __cplusplus
 }
 #endif

@@ -24,9 +24,10 @@ void llama_sfi_export::reset() {
     seq      = -1;
     range    = {};
     n_edits  = 0;
-    for (auto * v : { &cells, &selection, &shared, &picks }) {
+    for (auto * v : { &cells, &selection, &picks }) {
         v->clear();
     }
+    shared.clear();
     for (auto * v : { &mass, &evidence, &key_norms }) {
         v->clear();
     }
@@ -253,11 +254,13 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     for (int64_t j = 0; j < ns; ++j) {
         auto & ex = exports[res.s0 + j];
 
+        // every row is written below: by a refreshed layer's picks, or for a layer not refreshed its kept cells (or
+        // the stream keeps none, and its selection is not read), its candidates and picks -1
         ex.reset();
-        ex.selection.assign(n_layers*n_head_kv*n_sel, 0);
-        ex.cells.assign(n_layers*n_cand, -1);
+        ex.selection.resize(n_layers*n_head_kv*n_sel);
+        ex.cells.resize(n_layers*n_cand);
         if (!ids) {
-            ex.picks.assign(n_layers*n_head_kv*n_sel, -1); // -1: a layer not refreshed
+            ex.picks.resize(n_layers*n_head_kv*n_sel);
         }
     }
 
@@ -276,6 +279,11 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             for (int64_t j = 0; j < ns; ++j) {
                 const auto & st = view->streams[res.s0 + j];
                 auto & ex = exports[res.s0 + j];
+
+                std::fill_n(ex.cells.begin() + i*n_cand, n_cand, -1);
+                if (!ids) {
+                    std::fill_n(ex.picks.begin() + i*n_head_kv*n_sel, n_head_kv*n_sel, -1); // -1: a layer not refreshed
+                }
 
                 if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
                     kept[j] = false;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <utility>
 #include <vector>
 
@@ -22,6 +23,20 @@ struct llama_sfi_run_export;
 struct llama_sfi_view;
 struct llama_ubatch;
 
+// an allocator whose resize leaves new elements uninitialised: a slow step's selection and candidates are MBs that it
+// writes in full, and a fill before would cost as much as the copy
+template <typename T>
+struct llama_sfi_uninit_allocator : std::allocator<T> {
+    template <typename U> struct rebind { using other = llama_sfi_uninit_allocator<U>; };
+
+    using std::allocator<T>::allocator;
+
+    template <typename U> void construct(U * p) noexcept { ::new ((void *) p) U; }
+    template <typename U, typename... Args> void construct(U * p, Args &&... args) { ::new ((void *) p) U(std::forward<Args>(args)...); }
+};
+
+using llama_sfi_ints = std::vector<int32_t, llama_sfi_uninit_allocator<int32_t>>;
+
 // the exports of a SLOW decode for one stream: [n_layers][n_head_kv_max][n_cells]
 struct llama_sfi_export {
     bool valid = false;
@@ -32,17 +47,17 @@ struct llama_sfi_export {
     std::vector<float> mass;
     std::vector<float> evidence;
     std::vector<float> key_norms;
-    std::vector<int32_t> cells; // [n_layers][n_cells]: the candidate cells, empty when all cells are exported
+    llama_sfi_ints cells; // [n_layers][n_cells]: the candidate cells, empty when all cells are exported
 
     int32_t n_sel = 0;
-    std::vector<int32_t> selection; // [n_layers][n_head_kv_max][n_sel]: the device Selector's cells, if it ran
+    llama_sfi_ints selection; // [n_layers][n_head_kv_max][n_sel]: the device Selector's cells, if it ran
     std::vector<int32_t> shared;    // with a selection: the cells outside the Selector's range (sink, recent)
     bool gathered = false;          // ... and the step gathered them into the view
 
     // the device Selector's picks as the step left them, [n_layers][n_head_kv_max][n_sel] indices into the layer's
     // candidates (cells); selection holds their cells once mapped (llama_sfi_context::map_selection): a refresh's
     // host work then runs while the next step computes, or when something reads the selection
-    std::vector<int32_t> picks;
+    llama_sfi_ints picks;
     bool mapped = true;
     bool in_range = false; // every pick is known to lie in the Selector's range (map_selection need not check it)
 

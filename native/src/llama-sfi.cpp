@@ -10,10 +10,11 @@
 #include "llama-kv-cache-iswa.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 11
+#define LLAMA_SFI_API_VERSION 12
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -507,4 +508,42 @@ uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq
     return sfi->status[s] |
         (sfi->view->streams[s].valid ? LLAMA_SFI_STATUS_VIEW_VALID : 0) |
         (sfi->exports[s].valid       ? LLAMA_SFI_STATUS_MASS_VALID : 0);
+}
+
+//
+// log filter
+//
+
+static std::atomic<ggml_log_callback> llama_sfi_log_callback  { nullptr };
+static std::atomic<void *>            llama_sfi_log_user_data { nullptr };
+static std::atomic<int>               llama_sfi_log_min_level { GGML_LOG_LEVEL_NONE };
+
+static void llama_sfi_log_filtered(enum ggml_log_level level, const char * text, void * /*user_data*/) {
+    // a CONT line goes where the message it continues went (messages come from one thread at a time in practice)
+    static thread_local bool dropped = false;
+    if (level != GGML_LOG_LEVEL_CONT) {
+        dropped = level != GGML_LOG_LEVEL_NONE && (int) level < llama_sfi_log_min_level.load(std::memory_order_relaxed);
+    }
+    if (dropped) {
+        return;
+    }
+    const ggml_log_callback callback = llama_sfi_log_callback.load(std::memory_order_acquire);
+    if (callback) {
+        callback(level, text, llama_sfi_log_user_data.load(std::memory_order_relaxed));
+    }
+}
+
+void llama_sfi_log_set(ggml_log_callback callback, void * user_data, enum ggml_log_level min_level) {
+    if (!callback) {
+        llama_log_set(nullptr, nullptr);
+        return;
+    }
+    llama_sfi_log_user_data.store(user_data, std::memory_order_relaxed);
+    llama_sfi_log_set_min_level(min_level);
+    llama_sfi_log_callback.store(callback, std::memory_order_release);
+    llama_log_set(llama_sfi_log_filtered, nullptr);
+}
+
+void llama_sfi_log_set_min_level(enum ggml_log_level min_level) {
+    llama_sfi_log_min_level.store((int) min_level, std::memory_order_relaxed);
 }
