@@ -101,7 +101,7 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
 
 def test_gpu_defaults(llm):
     """With offloaded layers a batch uses SFI from 32K cells per sequence unless min_context is set
-    (BENCHMARKS.md: batched SFI measured 1.38x dense at 4 x 32K and 1.83x at 16 x 32K on the H200), a single
+    (BENCHMARKS.md: on the H200 batched SFI with staggered refreshes measured 0.81x-0.89x dense at 16K, 1.19x at 32K), a single
     sequence too, and the Selector runs in the slow step's graph unless device_selector says otherwise; on the
     CPU neither."""
     from sfi_gguf.engine import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
