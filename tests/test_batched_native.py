@@ -330,6 +330,59 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
         by_kind.close()
 
 
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
+    """Sequences that refresh at different steps (one slow sequence per step, in turn, with the device Selector)
+    decode in one llama_decode what they decode as one decode per kind, and once every mix has been seen its graph
+    is reused, not rebuilt (llama.cpp's count of reused graphs), although the mix changes at every step."""
+    from sfi_gguf.selector import SFISelector
+
+    n_seq, prompts = 4, (150, 201, 120, 170)
+    n_sink, n_recent, k_head = 4, 32, 48
+    one, by_kind = MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn), MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn)
+    try:
+        for c in (one, by_kind):
+            for s, n in enumerate(prompts):
+                c.prefill(s, tokens_for(tiny, n, seed=10 + s))
+        sfis = [SFINative(c.ctx, n_sel_max=256, n_tail_max=64) for c in (one, by_kind)]
+        for sfi in sfis:
+            sfi.set_n_candidates(64)
+            sfi.set_selector(SFISelector().device_params(k_head, n_sink, n_recent))
+            for s in range(n_seq):
+                select_all(sfi, s)
+        sfi_one, sfi_kind = sfis
+        mixes = ["".join("S" if j == i else "F" for j in range(n_seq)) for i in range(n_seq)]
+        toks = {s: 3 + s for s in range(n_seq)}
+        reused, parted = [], False
+        for cycle in range(3):
+            for step, mix in enumerate(mixes):
+                slow = mix.index("S")
+                for s in range(n_seq):
+                    sfi_one.set_mode(MODE_OF[mix[s]], seq=s)
+                lo, lk = one.step(toks), {}
+                for kind in "SF":
+                    sfi_kind.set_mode(MODE_OF[kind])
+                    lk.update(by_kind.step({s: toks[s] for s in range(n_seq) if mix[s] == kind}))
+                for s in range(n_seq):
+                    assert np.abs(lo[s] - lk[s]).max() < 2e-2 and lo[s].argmax() == lk[s].argmax(), (cycle, step, s)
+                    toks[s] = int(lk[s].argmax())
+                # the slow sequence's new memory: the device selection, unless a near-tie parted the two (then all
+                # its cells, for both; its next fast step gathers them, a mix of its own)
+                same = np.array_equal(np.sort(sfi_one.selection(slow), axis=-1), np.sort(sfi_kind.selection(slow), axis=-1))
+                parted |= not same
+                for sfi in sfis:
+                    if same:
+                        sfi.load_selection(slow)
+                    else:
+                        select_all(sfi, slow)
+            reused.append(llama_cpp.llama_perf_context(one.ctx).n_reused)
+        if not parted:
+            assert reused[2] - reused[1] == len(mixes), reused  # every step of the third cycle took a kept graph
+    finally:
+        one.close()
+        by_kind.close()
+
+
 def test_many_sequences_refresh_and_export_together(tiny):
     """Every sequence gathers its selection in the same FAST ubatch, then every one is slow: the graph
     holds a gather or an export per layer and stream (it once ran out of graph nodes: 4 streams x 36

@@ -8,9 +8,11 @@
 #include "llama-hparams.h"
 #include "llama-impl.h"
 #include "llama-kv-cache.h"
+#include "llama-kv-cache-iswa.h"
 #include "llama-model.h"
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 void llama_sfi_export::reset() {
@@ -126,6 +128,46 @@ void llama_sfi_context::decode_end() {
 
     view->step = LLAMA_SFI_STEP_DENSE;
     view->stream_steps.assign(view->streams.size(), LLAMA_SFI_STEP_DENSE);
+}
+
+llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * mctx, const llama_ubatch & ubatch,
+        size_t max_nodes, const llm_graph_result * active) {
+    const auto * kv = dynamic_cast<const llama_kv_cache_context *>(mctx);
+    if (const auto * iswa = dynamic_cast<const llama_kv_cache_iswa_context *>(mctx)) {
+        kv = iswa->get_base();
+    }
+
+    // LLAMA_SFI_KEEP_GRAPHS=0: none kept (every such ubatch takes the context's graph, as llama.cpp's own do)
+    static const bool enabled = [] {
+        const char * env = getenv("LLAMA_SFI_KEEP_GRAPHS");
+        return !env || strcmp(env, "0") != 0;
+    }();
+
+    const llama_sfi_plan * plan = kv ? kv->get_sfi() : nullptr;
+    if (!enabled || !plan || !(plan->mixed() || plan->exporting)) {
+        return nullptr; // FAST ubatches have graphs of their own (fast_graphs), DENSE ones the context's
+    }
+
+    // a MIXED ubatch for each stream that refreshes alone, one with all of them, and one more
+    kept_graphs.capacity = view->streams.size() + 2;
+
+    uint32_t n_outputs = 0;
+    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
+        n_outputs += ubatch.output[i] != 0;
+    }
+
+    // (a key is only where to look: the graph is reused only if llama.cpp's can_reuse says so)
+    uint64_t key = llama_sfi_graph_key(kv);
+    for (const uint64_t x : { (uint64_t) ubatch.n_tokens, (uint64_t) ubatch.n_seqs_unq, (uint64_t) n_outputs }) {
+        key = key*1099511628211ull ^ x;
+    }
+
+    return kept_graphs.get(key, max_nodes, active);
+}
+
+void llama_sfi_context::reset_graphs() {
+    fast_graphs.reset();
+    kept_graphs.reset();
 }
 
 uint32_t llama_sfi_context::n_graph_nodes() const {

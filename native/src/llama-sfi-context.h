@@ -22,6 +22,8 @@ struct llama_sfi_graph_result;
 struct llama_sfi_run_export;
 struct llama_sfi_view;
 struct llama_ubatch;
+struct llama_memory_context_i;
+class llm_graph_result;
 
 // an allocator whose resize leaves new elements uninitialised: a slow step's selection and candidates are MBs that it
 // writes in full, and a fill before would cost as much as the copy
@@ -91,6 +93,17 @@ struct llama_sfi_context {
     std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
 
     llama_sfi_fast_graphs fast_graphs; // the scheduler and graphs of the FAST steps
+    llama_sfi_kept_graphs kept_graphs; // the graphs of the SLOW and MIXED ubatches, by their mix of steps
+
+    // the graph kept for a SLOW or MIXED ubatch whose plan mctx applied (nullptr: the context's own); active: the graph
+    // the context's scheduler allocated last
+    llm_graph_result * kept_graph(const llama_memory_context_i * mctx, const llama_ubatch & ubatch, size_t max_nodes,
+            const llm_graph_result * active);
+
+    bool keeps(const llm_graph_result * res) const { return kept_graphs.keeps(res); }
+
+    // the context reset its graphs (a reserve, a memory update)
+    void reset_graphs();
 
     // each stream of the batch takes the step of its mode (or runs dense, see llama-sfi.h)
     void decode_begin(const llama_batch & batch);

@@ -16,6 +16,56 @@ void llama_sfi_fast_graphs::reset() {
     gf_res_prev_active = nullptr;
 }
 
+llm_graph_result * llama_sfi_kept_graphs::get(uint64_t key, size_t max_nodes, const llm_graph_result * active) {
+    ++clock;
+
+    entry * found  = nullptr;
+    entry * oldest = nullptr;
+    for (auto & e : entries) {
+        if (e.key == key && e.res) {
+            found = &e;
+            break;
+        }
+        if (e.res.get() != active && (!oldest || e.last_use < oldest->last_use)) {
+            oldest = &e;
+        }
+    }
+
+    if (!found) {
+        if (entries.size() < capacity || !oldest) {
+            entries.emplace_back();
+            found = &entries.back();
+        } else {
+            found = oldest;
+        }
+        found->key = key;
+        found->res.reset(new llm_graph_result(max_nodes));
+    } else if ((size_t) found->res->get_max_nodes() < max_nodes && found->res.get() != active) {
+        found->res.reset(new llm_graph_result(max_nodes)); // the context reserved for larger graphs since
+    }
+
+    found->last_use = clock;
+
+    return found->res.get();
+}
+
+bool llama_sfi_kept_graphs::keeps(const llm_graph_result * res) const {
+    for (const auto & e : entries) {
+        if (e.res.get() == res) {
+            return ggml_graph_n_nodes(e.res->get_gf()) > 0;
+        }
+    }
+    return false;
+}
+
+void llama_sfi_kept_graphs::reset() {
+    for (auto & e : entries) {
+        if (e.res) {
+            e.res->reset();
+        }
+    }
+}
+
 llama_sfi_fast_graphs_scope::llama_sfi_fast_graphs_scope(llama_context & lctx) : lctx(lctx) {
     auto * sfi = lctx.sfi.get();
     if (!sfi || sfi->view->step != LLAMA_SFI_STEP_FAST) {

@@ -12,6 +12,8 @@
 
 #include <array>
 #include <cstddef>
+#include <cstdint>
+#include <vector>
 
 struct llama_context;
 
@@ -23,6 +25,35 @@ struct llama_sfi_fast_graphs {
     llm_graph_result * gf_res_prev_active = nullptr;
 
     // the context's graphs were reset (a reserve, a memory update): these cannot be reused either
+    void reset();
+};
+
+// The graphs of the SLOW and MIXED ubatches, by their mix of steps (llama_sfi_graph_key).
+//
+// A MIXED ubatch's topology is its runs of streams of one step, so when the sequences of a batch refresh at
+// different steps (a server's requests do), the next ubatch's graph is rarely the last one built: llama.cpp would
+// rebuild it, allocate it and run it uncaptured at every step. These keep the last few built, and a decode whose
+// ubatch has the key of one takes it (llama_context::process_ubatch); the context's scheduler allocates it again
+// when another graph was allocated since, which costs far less than building it.
+struct llama_sfi_kept_graphs {
+    struct entry {
+        uint64_t             key      = 0;
+        uint64_t             last_use = 0;
+        llm_graph_result_ptr res;
+    };
+
+    std::vector<entry> entries;
+    size_t   capacity = 0;
+    uint64_t clock    = 0;
+
+    // the graph for a ubatch of this key: the one kept for it, else a new one, else the least recently used one that is
+    // not active (the context's last allocated graph), emptied
+    llm_graph_result * get(uint64_t key, size_t max_nodes, const llm_graph_result * active);
+
+    // res is one of these and holds a built graph
+    bool keeps(const llm_graph_result * res) const;
+
+    // the context's graphs were reset: empty these too (they stay allocated, so no pointer to one dangles)
     void reset();
 };
 
