@@ -12,8 +12,40 @@
 #include "llama-model.h"
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
+
+// fn(0) .. fn(n - 1) on up to 8 threads (the caller's one of them): the host's part of a batched refresh is per
+// stream, and the GPU host has cores idle while its graph computes
+static void llama_sfi_parallel_for(int64_t n, const std::function<void(int64_t)> & fn) {
+    const int64_t n_threads = std::min<int64_t>({ n, 8, std::max<int64_t>(1, std::thread::hardware_concurrency()) });
+    if (n_threads <= 1) {
+        for (int64_t i = 0; i < n; ++i) {
+            fn(i);
+        }
+        return;
+    }
+
+    std::atomic<int64_t> next { 0 };
+    auto work = [&] {
+        for (int64_t i = next++; i < n; i = next++) {
+            fn(i);
+        }
+    };
+
+    std::vector<std::thread> threads;
+    threads.reserve(n_threads - 1);
+    for (int64_t t = 1; t < n_threads; ++t) {
+        threads.emplace_back(work);
+    }
+    work();
+    for (auto & t : threads) {
+        t.join();
+    }
+}
 
 void llama_sfi_export::reset() {
     valid    = false;
@@ -120,10 +152,14 @@ void llama_sfi_context::decode_end() {
             }
         }
 
-        // the host's part of the refreshes before this step, while its graph computes
+        // the host's part of the refreshes before this step, while its graph computes (a stream's alone: in parallel)
+        std::vector<uint32_t> pending;
         for (uint32_t s = 0; s < view->streams.size(); ++s) {
-            resolve(s);
+            if (view->streams[s].sel_pending) {
+                pending.push_back(s);
+            }
         }
+        llama_sfi_parallel_for(pending.size(), [&](int64_t k) { resolve(pending[k]); });
     }
 
     view->step = LLAMA_SFI_STEP_DENSE;
@@ -287,7 +323,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     const int32_t * picks = nullptr;
     const int32_t * cells = nullptr;
 
-    std::vector<bool> kept(ns, true); // the layers not refreshed could keep their selection
+    std::vector<uint8_t> kept(ns, 1); // the layers not refreshed could keep their selection
     bool any_kept = false;
 
     // picks that are cell ids (res.sel_cells) go to the selection as they are, with nothing to map
@@ -311,6 +347,33 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     const ggml_tensor * run = nullptr;
     int64_t l = 0;
 
+    // the layers of the run whose picks and candidates the buffers hold, copied to each stream's export in parallel
+    struct layer_of_run {
+        size_t  i;       // the layer
+        int64_t l;       // its rank in the run
+        int64_t h_layer; // its KV heads
+    };
+    std::vector<layer_of_run> copying;
+
+    auto copy_run = [&]() {
+        llama_sfi_parallel_for(copying.empty() ? 0 : ns, [&](int64_t j) {
+            auto & ex  = exports[res.s0 + j];
+            auto & dst = ids ? ex.selection : ex.picks;
+            for (const auto & layer : copying) {
+                const int64_t b = layer.l*ns + j;
+
+                std::copy(cells + b*n_cand, cells + (b + 1)*n_cand, ex.cells.begin() + layer.i*n_cand);
+
+                for (size_t h = 0; h < n_head_kv; ++h) {
+                    // a layer with fewer KV heads repeats its first head's cells (never read)
+                    const int32_t * src = picks + (b*layer.h_layer + ((int64_t) h < layer.h_layer ? h : 0))*n_sel;
+                    std::copy_n(src, n_sel, dst.begin() + (layer.i*n_head_kv + h)*n_sel);
+                }
+            }
+        });
+        copying.clear();
+    };
+
     for (size_t i = 0; i < n_layers; ++i) {
         const ggml_tensor * tp = res.sel[i];
         const ggml_tensor * tc = res.cells[i];
@@ -328,7 +391,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
                 }
 
                 if (st.n_own != n_sel || st.sel.size() != n_layers*n_head_kv*st.n_sel) {
-                    kept[j] = false;
+                    kept[j] = 0;
                     continue;
                 }
                 for (size_t h = 0; h < n_head_kv; ++h) {
@@ -341,6 +404,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         GGML_ASSERT(tc && tp->ne[0] == n_sel && tc->ne[0] == n_cand && tp->ne[2] % ns == 0 && tc->ne[1] == tp->ne[2]);
 
         if (tp != run) {
+            copy_run(); // the buffers are the next run's now
             run = tp;
             l   = 0;
             int32_t * p = picks_buf.get(ggml_nelements(tp), ggml_backend_buffer_get_type(tp->buffer));
@@ -351,26 +415,12 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             cells = c;
         }
 
-        const int64_t h_layer = tp->ne[1];
-
-        for (int64_t j = 0; j < ns; ++j) {
-            auto & ex = exports[res.s0 + j];
-
-            const int64_t b = l*ns + j;
-
-            std::copy(cells + b*n_cand, cells + (b + 1)*n_cand, ex.cells.begin() + i*n_cand);
-
-            auto & dst = ids ? ex.selection : ex.picks;
-            for (size_t h = 0; h < n_head_kv; ++h) {
-                // a layer with fewer KV heads repeats its first head's cells (never read)
-                const int32_t * src = picks + (b*h_layer + ((int64_t) h < h_layer ? h : 0))*n_sel;
-                std::copy_n(src, n_sel, dst.begin() + (i*n_head_kv + h)*n_sel);
-            }
-        }
+        copying.push_back({ i, l, tp->ne[1] });
         ++l;
     }
+    copy_run();
 
-    for (int64_t j = 0; j < ns; ++j) {
+    llama_sfi_parallel_for(ns, [&](int64_t j) {
         const uint32_t     s   = res.s0 + j;
         const llama_seq_id seq = ubatch.seq_id[(res.j0 + j)*n_tps][0];
 
@@ -398,7 +448,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             // the graph gathered the first n_sink + n_recent of them (more when a position is held by several cells)
             ex.gathered = res.gathered && !any_kept && ex.shared.size() <= (size_t) view->selector.n_sink + view->selector.n_recent;
         }
-    }
+    });
 }
 
 int32_t * llama_sfi_context::host_ints::get(size_t n, ggml_backend_buffer_type_t buft) {

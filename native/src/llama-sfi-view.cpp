@@ -608,7 +608,7 @@ void llama_sfi_view::store_rows(stream & st, const int32_t * cells, int32_t n_ow
     st.overlap = -1.0f;
     if (prev_n_own > 0 && n_own > 0 && st.sel.size() == (size_t) n_layers*n_head_kv*prev_n_sel) {
         // stamp[c] == id of the last (layer, head) whose previous selection had cell c
-        std::vector<int32_t> & stamp = overlap_stamps;
+        std::vector<int32_t> & stamp = st.overlap_stamps;
         stamp.assign(kv.get_size(), -1);
 
         int64_t n_hit = 0;

@@ -73,6 +73,8 @@ struct llama_sfi_view {
         uint32_t              kn_upto = 0;
         std::vector<uint32_t> kn_stale;
 
+        std::vector<int32_t> overlap_stamps; // store_rows' per-cell marks, kept between refreshes (streams resolve in parallel)
+
         void invalidate();
     };
 
@@ -150,7 +152,6 @@ struct llama_sfi_view {
     void store_rows(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
             int32_t prev_n_sel, int32_t prev_n_own);
 
-    std::vector<int32_t> overlap_stamps; // store_rows' per-cell marks, kept between refreshes
 
     uint32_t stream_of(llama_seq_id seq) const;
 
