@@ -101,6 +101,8 @@ struct llama_sfi_context {
             const llm_graph_result * active);
 
     bool keeps(const llm_graph_result * res) const { return kept_graphs.keeps(res); }
+    void built(const llm_graph_result * res)        { kept_graphs.built(res); }
+    void unallocate(const llm_graph_result * res)   { kept_graphs.unallocate(res); }
 
     // the context reset its graphs (a reserve, a memory update)
     void reset_graphs();

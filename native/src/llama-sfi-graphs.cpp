@@ -40,8 +40,10 @@ llm_graph_result * llama_sfi_kept_graphs::get(uint64_t key, size_t max_nodes, co
         }
         found->key = key;
         found->res.reset(new llm_graph_result(max_nodes));
+        found->allocated.clear();
     } else if ((size_t) found->res->get_max_nodes() < max_nodes && found->res.get() != active) {
         found->res.reset(new llm_graph_result(max_nodes)); // the context reserved for larger graphs since
+        found->allocated.clear();
     }
 
     found->last_use = clock;
@@ -58,11 +60,42 @@ bool llama_sfi_kept_graphs::keeps(const llm_graph_result * res) const {
     return false;
 }
 
+void llama_sfi_kept_graphs::built(const llm_graph_result * res) {
+    for (auto & e : entries) {
+        if (e.res.get() != res) {
+            continue;
+        }
+        // every tensor of the graph lives in the result's context (the weights and the cache are other contexts')
+        e.allocated.clear();
+        for (ggml_tensor * t = ggml_get_first_tensor(e.res->get_ctx()); t; t = ggml_get_next_tensor(e.res->get_ctx(), t)) {
+            if (!t->data) {
+                e.allocated.push_back(t);
+            }
+        }
+        return;
+    }
+}
+
+void llama_sfi_kept_graphs::unallocate(const llm_graph_result * res) {
+    for (auto & e : entries) {
+        if (e.res.get() != res) {
+            continue;
+        }
+        for (ggml_tensor * t : e.allocated) {
+            t->data   = nullptr;
+            t->buffer = nullptr;
+            t->extra  = nullptr;
+        }
+        return;
+    }
+}
+
 void llama_sfi_kept_graphs::reset() {
     for (auto & e : entries) {
         if (e.res) {
             e.res->reset();
         }
+        e.allocated.clear();
     }
 }
 

@@ -40,6 +40,8 @@ struct llama_sfi_kept_graphs {
         uint64_t             key      = 0;
         uint64_t             last_use = 0;
         llm_graph_result_ptr res;
+
+        std::vector<ggml_tensor *> allocated; // the tensors of its graph the scheduler allocates (no data when built)
     };
 
     std::vector<entry> entries;
@@ -52,6 +54,13 @@ struct llama_sfi_kept_graphs {
 
     // res is one of these and holds a built graph
     bool keeps(const llm_graph_result * res) const;
+
+    // res was built (llama_context::process_ubatch): if it is one of these, note which tensors the scheduler allocates
+    void built(const llm_graph_result * res);
+
+    // before res is allocated again: its scheduler-allocated tensors without data or buffer again (the scheduler's
+    // buffers may have been freed or moved since, and tensors with data count as allocated elsewhere)
+    void unallocate(const llm_graph_result * res);
 
     // the context's graphs were reset: empty these too (they stay allocated, so no pointer to one dangles)
     void reset();
