@@ -102,9 +102,10 @@ def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeyp
     assert config_overrides(config) == {"k_head": 64, "n_recent": 64, "min_context": 0, "confidence_floor": 0.0}
     # the attention setting of the environment too (on the CPU "0" is the default's behaviour: nothing else changes)
     monkeypatch.setenv("LLAMA_SFI_FA_EVIDENCE", "0")
+    monkeypatch.setenv("LLAMA_SFI_KEEP_GRAPHS", "1")
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, log=lambda _: None)[0]
     assert row.config_overrides == config_overrides(config) and row.composite_ops is False
-    assert row.fa_evidence_env == "0"
+    assert row.fa_evidence_env == "0" and row.keep_graphs_env == "1"
 
 
 @pytest.mark.real_model

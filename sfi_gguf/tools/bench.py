@@ -77,6 +77,7 @@ class BenchRow:
     composite_ops: bool = False    # LLAMA_SFI_FUSED=0: the slow step's fused ops replaced by composite ones
     fa_evidence_env: str | None = None  # LLAMA_SFI_FA_EVIDENCE as set ("0": a slow step's attention is flash
     #                                     attention + the evidence op even on a GPU; None: the default)
+    keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
 
 
 def config_overrides(config: SFIConfig) -> dict:
@@ -219,7 +220,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
                   refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
                   composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0",
-                  fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"))
+                  fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"),
+                  keep_graphs_env=os.environ.get("LLAMA_SFI_KEEP_GRAPHS"))
     return llm, config, depths, shared
 
 
