@@ -6,6 +6,8 @@ exports). Random-weight models, so the tests run anywhere; SFI_TEST_NGL puts the
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 
@@ -242,30 +244,47 @@ MIXES = ("FSFD", "SFFS", "DDSF", "FFFF", "SSSS", "FDSS", "SFSF", "DFFF")
 MODE_OF = {"F": SFINative.FAST, "S": SFINative.SLOW, "D": SFINative.DENSE}
 
 
+# the mixed-step tests' four sequences and the device Selector's budget
+MIXED_PROMPTS = (150, 201, 120, 170)
+MIXED_SINK, MIXED_RECENT, MIXED_K_HEAD = 4, 32, 48
+
+
+@contextmanager
+def one_and_by_kind(model, flash_attn, export):
+    """Two contexts holding the same four prompts, each with SFI on every sequence (all its cells selected) and the
+    export of `export` ("every_cell", "candidates" or "device_selector"): (one, by_kind, sfi_one, sfi_kind), closed
+    afterwards. One decodes a step's sequences in one llama_decode, the other one decode per kind."""
+    from sfi_gguf.selector import SFISelector
+
+    one = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn)
+    by_kind = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn)
+    try:
+        for c in (one, by_kind):
+            for s, n in enumerate(MIXED_PROMPTS):
+                c.prefill(s, tokens_for(model, n, seed=10 + s))
+        sfis = [SFINative(c.ctx, n_sel_max=256, n_tail_max=64) for c in (one, by_kind)]
+        for sfi in sfis:
+            if export != "every_cell":
+                sfi.set_n_candidates(64)
+            if export == "device_selector":
+                sfi.set_selector(SFISelector().device_params(MIXED_K_HEAD, MIXED_SINK, MIXED_RECENT))
+            for s in range(len(MIXED_PROMPTS)):
+                select_all(sfi, s)
+        yield (one, by_kind, *sfis)
+    finally:
+        one.close()
+        by_kind.close()
+
+
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("export", ["every_cell", "candidates", "device_selector"])
 def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, export):
     """One llama_decode whose sequences are slow, dense and fast in any mix (each in its own mode) gives
     every sequence the logits, exports and selection that the same step gives it as one decode per kind
     (slow ones together, then dense, then fast); the views keep working across such steps."""
-    from sfi_gguf.selector import CandidateRange, SFISelector
-
-    n_seq, prompts = 4, (150, 201, 120, 170)
-    n_sink, n_recent, k_head = 4, 32, 48
-    one, by_kind = MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn), MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn)
-    try:
-        for c in (one, by_kind):
-            for s, n in enumerate(prompts):
-                c.prefill(s, tokens_for(tiny, n, seed=10 + s))
-        sfis = [SFINative(c.ctx, n_sel_max=256, n_tail_max=64) for c in (one, by_kind)]
-        for sfi in sfis:
-            if export != "every_cell":
-                sfi.set_n_candidates(64)
-            if export == "device_selector":
-                sfi.set_selector(SFISelector().device_params(k_head, n_sink, n_recent))
-            for s in range(n_seq):
-                select_all(sfi, s)
-        sfi_one, sfi_kind = sfis
+    n_seq = len(MIXED_PROMPTS)
+    with one_and_by_kind(tiny, flash_attn, export) as (one, by_kind, sfi_one, sfi_kind):
+        sfis = [sfi_one, sfi_kind]
         toks = {s: 3 + s for s in range(n_seq)}
         for step, mix in enumerate(MIXES):
             for s in range(n_seq):
@@ -325,9 +344,6 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
                 for sfi in sfis:
                     select_all(sfi, s, order)
             toks = {s: int(np.argmax(lk[s])) for s in range(n_seq)}
-    finally:
-        one.close()
-        by_kind.close()
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
@@ -335,22 +351,9 @@ def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
     """Sequences that refresh at different steps (one slow sequence per step, in turn, with the device Selector)
     decode in one llama_decode what they decode as one decode per kind, and once every mix has been seen its graph
     is reused, not rebuilt (llama.cpp's count of reused graphs), although the mix changes at every step."""
-    from sfi_gguf.selector import SFISelector
-
-    n_seq, prompts = 4, (150, 201, 120, 170)
-    n_sink, n_recent, k_head = 4, 32, 48
-    one, by_kind = MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn), MultiCtx(tiny, n_seq=n_seq, flash_attn=flash_attn)
-    try:
-        for c in (one, by_kind):
-            for s, n in enumerate(prompts):
-                c.prefill(s, tokens_for(tiny, n, seed=10 + s))
-        sfis = [SFINative(c.ctx, n_sel_max=256, n_tail_max=64) for c in (one, by_kind)]
-        for sfi in sfis:
-            sfi.set_n_candidates(64)
-            sfi.set_selector(SFISelector().device_params(k_head, n_sink, n_recent))
-            for s in range(n_seq):
-                select_all(sfi, s)
-        sfi_one, sfi_kind = sfis
+    n_seq = len(MIXED_PROMPTS)
+    with one_and_by_kind(tiny, flash_attn, "device_selector") as (one, by_kind, sfi_one, sfi_kind):
+        sfis = [sfi_one, sfi_kind]
         mixes = ["".join("S" if j == i else "F" for j in range(n_seq)) for i in range(n_seq)]
         toks = {s: 3 + s for s in range(n_seq)}
         reused, parted = [], False
@@ -378,9 +381,6 @@ def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
             reused.append(llama_cpp.llama_perf_context(one.ctx).n_reused)
         if not parted:
             assert reused[2] - reused[1] == len(mixes), reused  # every step of the third cycle took a kept graph
-    finally:
-        one.close()
-        by_kind.close()
 
 
 def test_many_sequences_refresh_and_export_together(tiny):

@@ -13,9 +13,9 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <thread>
 
 // fn(0) .. fn(n - 1) on up to 8 threads (the caller's one of them): the host's part of a batched refresh is per
@@ -73,6 +73,9 @@ llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache *
     modes.assign(this->view->streams.size(), LLAMA_SFI_MODE_DENSE);
     status.assign(this->view->streams.size(), 0);
     kv->set_sfi(this->view);
+
+    // a MIXED ubatch for each stream that refreshes alone, one with all of them, and one more
+    kept_graphs.capacity = this->view->streams.size() + 2;
 }
 
 llama_sfi_context::~llama_sfi_context() {
@@ -183,9 +186,6 @@ llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * 
     if (!enabled || !plan || !(plan->mixed() || plan->exporting)) {
         return nullptr; // FAST ubatches have graphs of their own (fast_graphs), DENSE ones the context's
     }
-
-    // a MIXED ubatch for each stream that refreshes alone, one with all of them, and one more
-    kept_graphs.capacity = view->streams.size() + 2;
 
     uint32_t n_outputs = 0;
     for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {

@@ -1,10 +1,11 @@
-// The FAST steps' own scheduler and graphs, swapped into the context for their decodes
+// The FAST steps' own scheduler and graphs, swapped into the context for their decodes, and the graphs kept per mix of steps
 #include "llama-sfi-graphs.h"
 
 #include "llama-context.h"
 #include "llama-sfi-context.h"
 #include "llama-sfi-view.h"
 
+#include <algorithm>
 #include <utility>
 
 void llama_sfi_fast_graphs::reset() {
@@ -51,42 +52,47 @@ llm_graph_result * llama_sfi_kept_graphs::get(uint64_t key, size_t max_nodes, co
     return found->res.get();
 }
 
-bool llama_sfi_kept_graphs::keeps(const llm_graph_result * res) const {
-    for (const auto & e : entries) {
+llama_sfi_kept_graphs::entry * llama_sfi_kept_graphs::find(const llm_graph_result * res) {
+    for (auto & e : entries) {
         if (e.res.get() == res) {
-            return ggml_graph_n_nodes(e.res->get_gf()) > 0;
+            return &e;
         }
     }
-    return false;
+    return nullptr;
+}
+
+bool llama_sfi_kept_graphs::keeps(const llm_graph_result * res) const {
+    return std::any_of(entries.begin(), entries.end(),
+            [&](const entry & e) { return e.res.get() == res && ggml_graph_n_nodes(e.res->get_gf()) > 0; });
 }
 
 void llama_sfi_kept_graphs::built(const llm_graph_result * res) {
-    for (auto & e : entries) {
-        if (e.res.get() != res) {
-            continue;
-        }
-        // every tensor of the graph lives in the result's context (the weights and the cache are other contexts')
-        e.allocated.clear();
-        for (ggml_tensor * t = ggml_get_first_tensor(e.res->get_ctx()); t; t = ggml_get_next_tensor(e.res->get_ctx(), t)) {
-            if (!t->data) {
-                e.allocated.push_back(t);
-            }
-        }
+    entry * e = find(res);
+    if (!e) {
         return;
+    }
+
+    // every tensor of the graph lives in the result's context (the weights and the cache are other contexts')
+    ggml_context * ctx = e->res->get_ctx();
+
+    e->allocated.clear();
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+        if (!t->data) {
+            e->allocated.push_back(t);
+        }
     }
 }
 
 void llama_sfi_kept_graphs::unallocate(const llm_graph_result * res) {
-    for (auto & e : entries) {
-        if (e.res.get() != res) {
-            continue;
-        }
-        for (ggml_tensor * t : e.allocated) {
-            t->data   = nullptr;
-            t->buffer = nullptr;
-            t->extra  = nullptr;
-        }
+    entry * e = find(res);
+    if (!e) {
         return;
+    }
+
+    for (ggml_tensor * t : e->allocated) {
+        t->data   = nullptr;
+        t->buffer = nullptr;
+        t->extra  = nullptr;
     }
 }
 

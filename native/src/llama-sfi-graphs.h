@@ -1,6 +1,6 @@
 #pragma once
 
-// The FAST steps' own scheduler and graphs.
+// The FAST steps' own scheduler and graphs, and the graphs of SLOW and MIXED ubatches kept per mix of steps.
 //
 // llama.cpp reuses a graph (no rebuild, no allocation, its CUDA graph replayed as captured) only while it is the
 // last one its scheduler computed. With one scheduler, the slow and the fast step would rebuild and re-allocate
@@ -64,6 +64,9 @@ struct llama_sfi_kept_graphs {
 
     // the context's graphs were reset: empty these too (they stay allocated, so no pointer to one dangles)
     void reset();
+
+private:
+    entry * find(const llm_graph_result * res);
 };
 
 // for the decode of a FAST step: the context's scheduler and previous graphs swapped with the fast ones, and back

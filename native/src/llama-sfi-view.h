@@ -152,7 +152,6 @@ struct llama_sfi_view {
     void store_rows(stream & st, const int32_t * cells, int32_t n_own, const int32_t * shared, int32_t n_shared,
             int32_t prev_n_sel, int32_t prev_n_own);
 
-
     uint32_t stream_of(llama_seq_id seq) const;
 
     // cells idxs of stream s were written (any step): their key norms are stale
