@@ -42,9 +42,11 @@ llm_graph_result * llama_sfi_kept_graphs::get(uint64_t key, size_t max_nodes, co
         found->key = key;
         found->res.reset(new llm_graph_result(max_nodes));
         found->allocated.clear();
+        found->srcs.clear();
     } else if ((size_t) found->res->get_max_nodes() < max_nodes && found->res.get() != active) {
         found->res.reset(new llm_graph_result(max_nodes)); // the context reserved for larger graphs since
         found->allocated.clear();
+        found->srcs.clear();
     }
 
     found->last_use = clock;
@@ -76,9 +78,14 @@ void llama_sfi_kept_graphs::built(const llm_graph_result * res) {
     ggml_context * ctx = e->res->get_ctx();
 
     e->allocated.clear();
+    e->srcs.clear();
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
         if (!t->data) {
             e->allocated.push_back(t);
+        }
+        if (std::any_of(std::begin(t->src), std::end(t->src), [](const ggml_tensor * s) { return s != nullptr; })) {
+            e->srcs.emplace_back(t, std::array<ggml_tensor *, GGML_MAX_SRC>{});
+            std::copy(std::begin(t->src), std::end(t->src), e->srcs.back().second.begin());
         }
     }
 }
@@ -94,6 +101,9 @@ void llama_sfi_kept_graphs::unallocate(const llm_graph_result * res) {
         t->buffer = nullptr;
         t->extra  = nullptr;
     }
+    for (const auto & [t, srcs] : e->srcs) {
+        std::copy(srcs.begin(), srcs.end(), std::begin(t->src));
+    }
 }
 
 void llama_sfi_kept_graphs::reset() {
@@ -102,6 +112,7 @@ void llama_sfi_kept_graphs::reset() {
             e.res->reset();
         }
         e.allocated.clear();
+        e.srcs.clear();
     }
 }
 

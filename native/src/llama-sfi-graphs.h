@@ -13,6 +13,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 struct llama_context;
@@ -42,6 +43,10 @@ struct llama_sfi_kept_graphs {
         llm_graph_result_ptr res;
 
         std::vector<ggml_tensor *> allocated; // the tensors of its graph the scheduler allocates (no data when built)
+
+        // the sources of its graph's tensors as built: splitting a graph over backends points a node's sources at
+        // the scheduler's copies of them (inputs of another backend), which live until the scheduler splits again
+        std::vector<std::pair<ggml_tensor *, std::array<ggml_tensor *, GGML_MAX_SRC>>> srcs;
     };
 
     std::vector<entry> entries;
@@ -59,7 +64,8 @@ struct llama_sfi_kept_graphs {
     void built(const llm_graph_result * res);
 
     // before res is allocated again: its scheduler-allocated tensors without data or buffer again (the scheduler's
-    // buffers may have been freed or moved since, and tensors with data count as allocated elsewhere)
+    // buffers may have been freed or moved since, and tensors with data count as allocated elsewhere), and its nodes'
+    // sources as built (not the copies of the last split)
     void unallocate(const llm_graph_result * res);
 
     // the context's graphs were reset: empty these too (they stay allocated, so no pointer to one dangles)
