@@ -351,8 +351,13 @@ def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
     """Sequences that refresh at different steps (one slow sequence per step, in turn, with the device Selector)
     decode in one llama_decode what they decode as one decode per kind, and once every mix has been seen its graph
     is reused, not rebuilt (llama.cpp's count of reused graphs), although the mix changes at every step."""
+    staggered_refreshes(tiny, flash_attn)
+
+
+def staggered_refreshes(model, flash_attn):
+    """test_staggered_refreshes_reuse_their_graphs on `model` (test_rpc.py runs it with layers on an rpc-server)."""
     n_seq = len(MIXED_PROMPTS)
-    with one_and_by_kind(tiny, flash_attn, "device_selector") as (one, by_kind, sfi_one, sfi_kind):
+    with one_and_by_kind(model, flash_attn, "device_selector") as (one, by_kind, sfi_one, sfi_kind):
         sfis = [sfi_one, sfi_kind]
         mixes = ["".join("S" if j == i else "F" for j in range(n_seq)) for i in range(n_seq)]
         toks = {s: 3 + s for s in range(n_seq)}

@@ -22,6 +22,7 @@ from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
+from test_batched_native import staggered_refreshes
 
 SERVER = os.environ.get("SFI_RPC_SERVER", "")
 
@@ -118,6 +119,19 @@ def test_rpc_generation_equals_local(servers):
             assert s.n_device_selections == s.n_slow + s.n_bootstrap, s
             results.append((out.tokens, s.slow_steps, s.refresh_overlap))
     assert results[0] == results[1]
+
+
+@need_rpc
+@pytest.mark.parametrize("flash_attn", [True, False], ids=["fa", "no_fa"])
+def test_rpc_staggered_refreshes_reuse_their_graphs(servers, flash_attn):
+    """Kept graphs of mixed steps with layers on the local CPU and on an rpc-server: the scheduler splits each graph
+    over the two backends, pointing its nodes at the split's copies of their inputs; a kept graph allocated again
+    must read its own tensors, not an earlier split's (a single backend never splits a graph)."""
+    m = PlacedModel(four_layers(), n_gpu_layers=2, devices=devices.model_devices(servers))
+    try:
+        staggered_refreshes(m, flash_attn)
+    finally:
+        m.close()
 
 
 @need_rpc

@@ -192,6 +192,40 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         std::tie(cells, vals) = llama_sfi_selector_candidates(ctx, view, inp, evid, n_cand, storage);
     }
 
+    const float lambda_max = n_rows == 1 ? sp.lambda_clip_single : sp.lambda_clip_multi;
+
+    // the scores of the candidates as one op where the backend of the keys has it (the key norms gathered by the op
+    // from the stacked layers' rows, or gathered here layer by layer), else as the composite ops below
+    {
+        ggml_tensor * kn_rows  = kn_stacked;
+        ggml_tensor * kn_cells = cells;
+        if (!kn_stacked) {
+            std::vector<ggml_tensor *> norms;
+            for (size_t l = 0; l < kns.size(); ++l) {
+                ggml_tensor * cells_l = ggml_view_2d(ctx, cells, n_cand, ns, cells->nb[1], l*ns*cells->nb[1]);
+                norms.push_back(ggml_get_rows(ctx, kns[l], cells_l));
+            }
+            kn_rows  = llama_sfi_stack(ctx, norms, 2);
+            kn_cells = nullptr;
+        }
+        const ggml_sfi_selector_params op_params = {
+            /*.key_norm_exponent      =*/ sp.key_norm_exponent,
+            /*.w_pos                  =*/ sp.w_pos,
+            /*.pos_beta               =*/ sp.pos_beta,
+            /*.pos_power              =*/ sp.pos_power,
+            /*.pos_eta                =*/ sp.pos_eta,
+            /*.lambda_max             =*/ lambda_max,
+            /*.cross_head_alpha       =*/ n_head_kv > 2 ? sp.cross_head_alpha : 0.0f,
+            /*.cross_head_temperature =*/ sp.cross_head_temperature,
+        };
+        ggml_tensor * sc = ggml_sfi_selector_scores(ctx, vals, ggml_is_contiguous(kn_rows) ? kn_rows : ggml_cont(ctx, kn_rows),
+                kn_cells, op_params);
+        if (llama_sfi_backend_runs(sc, storage)) {
+            ggml_set_name(sc, "sfi_sel_score");
+            return { cells, llama_sfi_top_k(ctx, sc, sp.k_head, true, storage) };
+        }
+    }
+
     auto vals_rows = [&](int64_t first, int64_t n) {
         return ggml_cont(ctx, ggml_view_3d(ctx, vals, n_cand, n, nb, vals->nb[1], vals->nb[2], first*vals->nb[1]));
     };
@@ -225,7 +259,6 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     ggml_tensor * r = ggml_soft_max(ctx, ggml_add(ctx, ggml_scale(ctx, ggml_log(ctx, ggml_clamp(ctx, kn, tiny, big)), sp.key_norm_exponent), prior));
 
     // q = f - lambda (f - r), lambda = <f, f - r>/||f - r||^2 clipped
-    const float lambda_max = n_rows == 1 ? sp.lambda_clip_single : sp.lambda_clip_multi;
 
     ggml_tensor * d   = ggml_sub(ctx, fc, r);
     ggml_tensor * num = ggml_sum_rows(ctx, ggml_mul(ctx, fc, d));

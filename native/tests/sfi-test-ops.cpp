@@ -15,6 +15,7 @@
 #include "ggml-sfi.h"
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -586,6 +587,161 @@ static int test_candidates(const std::vector<ggml_backend_t> & backends, ggml_ba
     return n_failed;
 }
 
+// ggml_sfi_selector_scores on every backend against its definition, written out here in double
+struct selector_case {
+    int64_t n_cand;
+    int64_t n_head;
+    int64_t nb;
+    bool    with_cells;  // the key norms gathered by the op (of n_kn cells), else given at the candidates
+    float   lambda_max;
+    float   cross_alpha; // 0: no cross-head term
+    int     levels;      // f drawn from this many levels (ties), 0: continuous
+
+    std::string name() const {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "sfi_selector_scores(n_cand=%lld,heads=%lld,nb=%lld,cells=%d,lambda_max=%g,cross=%g,levels=%d)",
+                (long long) n_cand, (long long) n_head, (long long) nb, with_cells, lambda_max, cross_alpha, levels);
+        return buf;
+    }
+};
+
+static std::vector<float> selector_scores_ref(const selector_case & tc, const ggml_sfi_selector_params & p, const std::vector<float> & vals,
+        const std::vector<float> & kn, const std::vector<int32_t> & cells, int64_t n_kn) {
+    const int64_t n = tc.n_cand, H = tc.n_head;
+    std::vector<double> s(n*H*tc.nb);
+    for (int64_t b = 0; b < tc.nb; ++b) {
+        const float * v = vals.data() + b*(H + 2)*n;
+        const float * u = v + H*n;
+        const float * m = v + (H + 1)*n;
+        for (int64_t h = 0; h < H; ++h) {
+            std::vector<double> x(n), f(n);
+            double sum_f = 0.0, x_max = -INFINITY;
+            for (int64_t i = 0; i < n; ++i) {
+                const int64_t row = tc.with_cells ? cells[b*n + i] : i;
+                const double  k   = std::min<double>(std::max<double>(kn[(b*n_kn + row)*H + h], FLT_MIN), FLT_MAX);
+                const double  up  = u[i] > 0.0f ? std::pow((double) u[i], (double) p.pos_power) : 0.0;
+                x[i]  = p.key_norm_exponent*std::log(k) + p.w_pos*(-p.pos_beta*up + p.pos_eta*std::log(1.0 - u[i])) + m[i];
+                x_max = std::max(x_max, x[i]);
+                sum_f += v[h*n + i];
+            }
+            double z = 0.0;
+            for (int64_t i = 0; i < n; ++i) {
+                z += std::exp(x[i] - x_max);
+            }
+            double num = 0.0, den = 0.0;
+            for (int64_t i = 0; i < n; ++i) {
+                f[i] = sum_f > 0.0 ? v[h*n + i]/sum_f : 0.0;
+                const double d = f[i] - std::exp(x[i] - x_max)/z;
+                num += f[i]*d;
+                den += d*d;
+            }
+            const double lambda = std::min(std::max(num/(den + 1e-30), 0.0), (double) p.lambda_max);
+            for (int64_t i = 0; i < n; ++i) {
+                const double d = f[i] - std::exp(x[i] - x_max)/z;
+                s[(b*H + h)*n + i] = std::log(std::min<double>(std::max<double>(f[i] - lambda*d, FLT_MIN), FLT_MAX));
+            }
+        }
+        if (p.cross_head_alpha != 0.0f) {
+            for (int64_t i = 0; i < n; ++i) {
+                double t_max = -INFINITY, z = 0.0;
+                for (int64_t h = 0; h < H; ++h) {
+                    t_max = std::max(t_max, s[(b*H + h)*n + i]/p.cross_head_temperature);
+                }
+                for (int64_t h = 0; h < H; ++h) {
+                    z += std::exp(s[(b*H + h)*n + i]/p.cross_head_temperature - t_max);
+                }
+                for (int64_t h = 0; h < H; ++h) {
+                    double & v = s[(b*H + h)*n + i];
+                    v += p.cross_head_alpha*(v/p.cross_head_temperature - t_max - std::log(z));
+                }
+            }
+        }
+    }
+    return std::vector<float>(s.begin(), s.end());
+}
+
+static int test_selector_scores(const std::vector<ggml_backend_t> & backends, ggml_backend_t cpu, bool verbose, int * n_run) {
+    const std::vector<selector_case> cases = {
+        { 8192, 8, 36, true, 0.35f, 0.85f, 0 },  // a slow step's candidates: 36 layers, 8 KV heads
+        { 8192, 8, 4, false, 0.25f, 0.85f, 0 },  // key norms given at the candidates, the multi-row clip
+        { 1000, 2, 3, true, 0.35f, 0.0f, 0 },    // two KV heads: no cross-head term
+        { 7, 4, 2, true, 0.35f, 0.85f, 0 },      // odd candidate count, fewer than a block's threads
+        { 3001, 16, 2, false, 0.35f, 0.85f, 3 }, // ties in f
+        { 513, 1, 5, true, 0.0f, 0.0f, 0 },      // one head, lambda clipped to 0: the evidence alone
+    };
+    ggml_sfi_selector_params p = { -0.5f, 0.7f, (float) (-std::log(0.6)/0.9), 1.8f, 0.4f, 0.0f, 0.0f, 2.0f };
+
+    std::mt19937 rng(31);
+    std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+    int n_failed = 0;
+    for (const selector_case & tc : cases) {
+        const int64_t n = tc.n_cand, H = tc.n_head;
+        const int64_t n_kn = tc.with_cells ? 3*n + 5 : n;
+        p.lambda_max       = tc.lambda_max;
+        p.cross_head_alpha = tc.cross_alpha;
+
+        std::vector<float> vals(n*(H + 2)*tc.nb), kn(H*n_kn*tc.nb);
+        std::vector<int32_t> cells(tc.with_cells ? n*tc.nb : 0);
+        std::uniform_int_distribution<int> level(1, std::max(1, tc.levels));
+        for (int64_t b = 0; b < tc.nb; ++b) {
+            float * v = vals.data() + b*(H + 2)*n;
+            for (int64_t i = 0; i < n; ++i) {
+                const bool in = i % 11 != 5 || n < 11; // some candidates outside the range (u 0, mask -inf)
+                for (int64_t h = 0; h < H; ++h) {
+                    const float x = tc.levels > 0 ? 0.01f*level(rng) : uniform(rng)*uniform(rng);
+                    v[h*n + i] = in && (i + h) % 17 != 3 ? x : 0.0f; // some candidates without evidence
+                }
+                v[H*n + i]       = in ? 0.999f*uniform(rng) : 0.0f;
+                v[(H + 1)*n + i] = in ? 0.0f : -INFINITY;
+            }
+        }
+        for (size_t i = 0; i < kn.size(); ++i) {
+            kn[i] = i % 23 == 1 ? 0.0f : 0.2f + 8.0f*uniform(rng); // zero norms: clamped
+        }
+        for (auto & c : cells) {
+            c = (int32_t) (rng() % n_kn);
+        }
+        const std::vector<float> ref = selector_scores_ref(tc, p, vals, kn, cells, n_kn);
+
+        for (ggml_backend_t backend : backends) {
+            ggml_init_params ip = { ggml_tensor_overhead()*8 + ggml_graph_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+
+            ggml_tensor * tv = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n, H + 2, tc.nb);
+            ggml_tensor * tk = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, H, n_kn, tc.nb);
+            ggml_tensor * tc_cells = tc.with_cells ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, n, tc.nb) : nullptr;
+            ggml_tensor * out = ggml_sfi_selector_scores(ctx, tv, tk, tc_cells, p);
+
+            if (!ggml_backend_supports_op(backend, out)) {
+                if (backend == cpu) {
+                    printf("FAIL %s on CPU: not supported (the CPU is the reference)\n", tc.name().c_str());
+                    n_failed++;
+                }
+                ggml_free(ctx);
+                continue;
+            }
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ggml_backend_tensor_set(tv, vals.data(), 0, ggml_nbytes(tv));
+            ggml_backend_tensor_set(tk, kn.data(), 0, ggml_nbytes(tk));
+            if (tc_cells) {
+                ggml_backend_tensor_set(tc_cells, cells.data(), 0, ggml_nbytes(tc_cells));
+            }
+            const std::vector<float> got = compute_and_get<float>(backend, ctx, out);
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+
+            const double err = nmse(got, ref);
+            const bool   ok  = err < 1e-10;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s: nmse %.3g\n", ok ? "ok  " : "FAIL", tc.name().c_str(), ggml_backend_name(backend), err);
+            }
+        }
+    }
+    return n_failed;
+}
+
 // ggml_sfi_copy_rows on every backend against its definition: the bytes of every row of dst, copied or not
 struct copy_rows_case {
     ggml_type type;
@@ -958,6 +1114,7 @@ int main(int argc, char ** argv) {
     n_failed += test_candidates(backends, cpu, verbose, &n_run);
     n_failed += test_copy_rows(backends, verbose, &n_run);
     n_failed += test_flash_attn_evidence(backends, cpu, verbose, &n_run);
+    n_failed += test_selector_scores(backends, cpu, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

@@ -124,6 +124,40 @@ extern "C" {
             struct ggml_tensor  * idx,
             struct ggml_tensor  * slots);
 
+    // The device Selector's scores of its candidates (sfi_gguf/selector.py, SFISelector), from what
+    // ggml_sfi_candidate_values gathered and the candidates' key norms: for each (head h, batch b) row of candidates i,
+    //   f_i     = vals[i, h, b] / sum_i vals[i, h, b]                                    (0 where the sum is 0)
+    //   prior_i = w_pos*(-pos_beta*u_i^pos_power + pos_eta*log(1 - u_i)) + m_i,  u_i = vals[i, n_head, b],
+    //             m_i = vals[i, n_head + 1, b] (0 or -INFINITY), u^p = exp(p*log(u)) (0 at u = 0)
+    //   r       = softmax_i(key_norm_exponent*log(clamp(kn_i, FLT_MIN, FLT_MAX)) + prior_i)
+    //   d       = f - r,  lambda = clamp(<f, d>/(<d, d> + 1e-30), 0, lambda_max)
+    //   s_i     = log(clamp(f_i - lambda*d_i, FLT_MIN, FLT_MAX))
+    // and, where cross_head_alpha != 0, per candidate over the heads: s += cross_head_alpha*log softmax_h(s/T),
+    // T = cross_head_temperature. The same values as the chain of composite ops it replaces, in one pass per row.
+    //
+    // vals:  F32 [n_cand, n_head + 2, nb] contiguous (ggml_sfi_candidate_values' layout)
+    // kn:    F32 [n_head, n_kn, nb] contiguous: the key norms of a cell, head by head; with cells, row cells[i, b] is
+    //        candidate i's (n_kn: all the cells), else row i (n_kn = n_cand)
+    // cells: I32 [n_cand, nb] contiguous, each in [0, n_kn), or NULL
+    // res:   F32 [n_cand, n_head, nb]; no NaN while each row has a candidate of m 0
+    struct ggml_sfi_selector_params {
+        float key_norm_exponent;
+        float w_pos;
+        float pos_beta;
+        float pos_power;
+        float pos_eta;
+        float lambda_max;
+        float cross_head_alpha;       // 0: no cross-head term
+        float cross_head_temperature; // > 0
+    };
+
+    GGML_API struct ggml_tensor * ggml_sfi_selector_scores(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * vals,
+            struct ggml_tensor  * kn,
+            struct ggml_tensor  * cells,
+            struct ggml_sfi_selector_params params);
+
 #ifdef  __cplusplus
 }
 #endif

@@ -199,3 +199,36 @@ struct ggml_tensor * ggml_sfi_flash_attn_evidence_key_norms(struct ggml_context 
     return ggml_view_3d(ctx, res, k->ne[2], k->ne[1], k->ne[3], nb1, nb1*k->ne[1],
             (sfi_fae_n_out(res->src[0], res->src[2]) + sfi_fae_n_evid(k))*sizeof(float));
 }
+
+struct ggml_tensor * ggml_sfi_selector_scores(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * vals,
+        struct ggml_tensor  * kn,
+        struct ggml_tensor  * cells,
+        struct ggml_sfi_selector_params params) {
+    const int64_t n_cand = vals->ne[0];
+    const int64_t n_head = vals->ne[1] - 2;
+    const int64_t nb     = vals->ne[2];
+
+    GGML_ASSERT(vals->type == GGML_TYPE_F32 && kn->type == GGML_TYPE_F32);
+    GGML_ASSERT(ggml_is_contiguous(vals) && ggml_is_contiguous(kn) && vals->ne[3] == 1);
+    GGML_ASSERT(n_head >= 1 && kn->ne[0] == n_head && kn->ne[2] == nb && kn->ne[3] == 1);
+    if (cells) {
+        GGML_ASSERT(cells->type == GGML_TYPE_I32 && ggml_is_contiguous(cells));
+        GGML_ASSERT(cells->ne[0] == n_cand && cells->ne[1] == nb && cells->ne[2] == 1 && cells->ne[3] == 1);
+    } else {
+        GGML_ASSERT(kn->ne[1] == n_cand);
+    }
+    GGML_ASSERT(params.cross_head_temperature > 0.0f && params.lambda_max >= 0.0f);
+
+    struct ggml_tensor * result = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, n_cand, n_head, nb);
+
+    ggml_set_op_params(result, &params, sizeof(params));
+
+    result->op     = GGML_OP_SFI_SELECTOR_SCORES;
+    result->src[0] = vals;
+    result->src[1] = kn;
+    result->src[2] = cells;
+
+    return result;
+}

@@ -2,6 +2,8 @@
 
 #include "sfi-ops.h"
 
+#include "ggml-sfi.h"
+
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
 #include "ggml-impl.h"
@@ -11,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 // per thread: the scores of every query row of one (head, batch) pair, those rows in the keys' vec_dot type, and a
 // key as F32 (for its norm)
@@ -318,6 +321,90 @@ void ggml_compute_forward_sfi_candidate_values(const ggml_compute_params * param
             }
             out[(b*(n_head + 2) + n_head    )*n_cand + i] = ub[c];
             out[(b*(n_head + 2) + n_head + 1)*n_cand + i] = mb[c];
+        }
+    }
+}
+
+// the batches split over the threads: a thread scores every head's row of its batch, then the heads of each candidate
+void ggml_compute_forward_sfi_selector_scores(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * vals  = dst->src[0];
+    const ggml_tensor * kn    = dst->src[1];
+    const ggml_tensor * cells = dst->src[2];
+
+    ggml_sfi_selector_params p;
+    memcpy(&p, dst->op_params, sizeof(p));
+
+    const int64_t n_cand = vals->ne[0];
+    const int64_t n_head = vals->ne[1] - 2;
+    const int64_t nb     = vals->ne[2];
+    const int64_t n_kn   = kn->ne[1];
+
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+
+    const float tiny = std::numeric_limits<float>::min();
+    const float big  = std::numeric_limits<float>::max();
+
+    for (int64_t b = params->ith; b < nb; b += params->nth) {
+        const float   * v_b   = (const float *) vals->data + b*(n_head + 2)*n_cand;
+        const float   * u     = v_b + n_head*n_cand;
+        const float   * m     = v_b + (n_head + 1)*n_cand;
+        const float   * kn_b  = (const float *) kn->data + b*n_kn*n_head;
+        const int32_t * c_b   = cells ? (const int32_t *) cells->data + b*n_cand : nullptr;
+        float         * out_b = (float *) dst->data + b*n_head*n_cand;
+
+        for (int64_t h = 0; h < n_head; ++h) {
+            const float * f = v_b + h*n_cand;
+            float       * s = out_b + h*n_cand; // the prior's logits x first, then the scores
+
+            double sum_f = 0.0;
+            float  x_max = -INFINITY;
+            for (int64_t i = 0; i < n_cand; ++i) {
+                const int64_t row = c_b ? c_b[i] : i;
+                GGML_ASSERT(row >= 0 && row < n_kn);
+                const float u_pow = expf(p.pos_power*logf(u[i]));
+                const float prior = p.w_pos*(-p.pos_beta*u_pow + p.pos_eta*logf(1.0f - u[i])) + m[i];
+                s[i]  = p.key_norm_exponent*logf(std::min(std::max(kn_b[row*n_head + h], tiny), big)) + prior;
+                x_max = std::max(x_max, s[i]);
+                sum_f += f[i];
+            }
+            double z = 0.0;
+            for (int64_t i = 0; i < n_cand; ++i) {
+                z += expf(s[i] - x_max);
+            }
+            const float inv_f = sum_f > 0.0 ? (float) (1.0/sum_f) : 0.0f;
+            const float inv_z = (float) (1.0/z);
+            double num = 0.0;
+            double den = 0.0;
+            for (int64_t i = 0; i < n_cand; ++i) {
+                const float fi = f[i]*inv_f;
+                const float d  = fi - expf(s[i] - x_max)*inv_z;
+                s[i] = d; // d from here on
+                num += (double) fi*d;
+                den += (double) d*d;
+            }
+            const float lambda = std::min(std::max((float) (num/(den + 1e-30)), 0.0f), p.lambda_max);
+            for (int64_t i = 0; i < n_cand; ++i) {
+                s[i] = logf(std::min(std::max(f[i]*inv_f - lambda*s[i], tiny), big));
+            }
+        }
+
+        if (p.cross_head_alpha != 0.0f) {
+            const float inv_t = 1.0f/p.cross_head_temperature;
+            for (int64_t i = 0; i < n_cand; ++i) {
+                float t_max = -INFINITY;
+                for (int64_t h = 0; h < n_head; ++h) {
+                    t_max = std::max(t_max, out_b[h*n_cand + i]*inv_t);
+                }
+                double z = 0.0;
+                for (int64_t h = 0; h < n_head; ++h) {
+                    z += expf(out_b[h*n_cand + i]*inv_t - t_max);
+                }
+                const float log_z = t_max + logf((float) z);
+                for (int64_t h = 0; h < n_head; ++h) {
+                    float & s = out_b[h*n_cand + i];
+                    s += p.cross_head_alpha*(s*inv_t - log_z);
+                }
+            }
         }
     }
 }
