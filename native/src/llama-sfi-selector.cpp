@@ -399,8 +399,13 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
             const int64_t h      = picks->ne[1];
             const int64_t nb     = picks->ne[2];
 
-            picks = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, cells->ne[0], nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));
-            picks = ggml_reshape_3d(ctx, picks, k_head, h, nb);
+            ggml_tensor * picked = picks->op == GGML_OP_SFI_TOP_K ? ggml_sfi_top_k_ids(ctx, picks->src[0], (int) k_head, cells) : nullptr;
+            if (picked && llama_sfi_backend_runs(picked, view.cache_k_of(view.layers[refreshed[first]].il))) {
+                picks = picked; // the selection writes the cells themselves
+            } else {
+                picks = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, cells->ne[0], nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));
+                picks = ggml_reshape_3d(ctx, picks, k_head, h, nb);
+            }
 
             llama_sfi_build_load(ctx, ex.gf, view, ex.inp, ex.s0, picks, refreshed, first, last);
             res.gathered  = true;

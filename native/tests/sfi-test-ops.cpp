@@ -421,6 +421,68 @@ static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose
     return n_failed;
 }
 
+// ggml_sfi_top_k_ids on every backend: the indices of ggml_sfi_top_k's definition, mapped through each row's ids
+static int test_top_k_ids(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
+    struct ids_case { int64_t n, k, ne1, ne2; };
+    const std::vector<ids_case> cases = { { 8192, 2048, 8, 5 }, { 7, 3, 2, 3 }, { 1000, 1000, 1, 2 }, { 4099, 17, 3, 1 } };
+    std::mt19937 rng(5);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    int n_failed = 0;
+    for (const ids_case & tc : cases) {
+        char name[96];
+        snprintf(name, sizeof(name), "sfi_top_k_ids(n=%lld,k=%lld,ne1=%lld,ne2=%lld)", (long long) tc.n, (long long) tc.k,
+                (long long) tc.ne1, (long long) tc.ne2);
+        std::vector<float> x(tc.n*tc.ne1*tc.ne2);
+        for (size_t i = 0; i < x.size(); ++i) {
+            x[i] = i % 5 == 1 ? 0.5f : normal(rng); // ties
+        }
+        std::vector<int32_t> ids(tc.n*tc.ne2);
+        for (auto & v : ids) {
+            v = (int32_t) (rng() % 100000);
+        }
+        std::vector<int32_t> ref(tc.k*tc.ne1*tc.ne2);
+        for (int64_t r = 0; r < tc.ne1*tc.ne2; ++r) {
+            const float * xr = x.data() + r*tc.n;
+            std::vector<int32_t> idx(tc.n);
+            for (int64_t i = 0; i < tc.n; ++i) {
+                idx[i] = (int32_t) i;
+            }
+            std::stable_sort(idx.begin(), idx.end(), [xr](int32_t i, int32_t j) { return xr[i] > xr[j]; });
+            std::sort(idx.begin(), idx.begin() + tc.k);
+            for (int64_t j = 0; j < tc.k; ++j) {
+                ref[r*tc.k + j] = ids[(r/tc.ne1)*tc.n + idx[j]];
+            }
+        }
+        for (ggml_backend_t backend : backends) {
+            ggml_init_params ip = { ggml_tensor_overhead()*8 + ggml_graph_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+            ggml_tensor * a   = ggml_new_tensor_3d(ctx, GGML_TYPE_F32, tc.n, tc.ne1, tc.ne2);
+            ggml_tensor * ti  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, tc.n, tc.ne2);
+            ggml_tensor * out = ggml_sfi_top_k_ids(ctx, a, (int) tc.k, ti);
+            if (!ggml_backend_supports_op(backend, out)) {
+                if (verbose) {
+                    printf("skip %s on %s: not supported\n", name, ggml_backend_name(backend));
+                }
+                ggml_free(ctx);
+                continue;
+            }
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ggml_backend_tensor_set(a, x.data(), 0, ggml_nbytes(a));
+            ggml_backend_tensor_set(ti, ids.data(), 0, ggml_nbytes(ti));
+            const std::vector<int32_t> got = compute_and_get<int32_t>(backend, ctx, out);
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+            const bool ok = got == ref;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s\n", ok ? "ok  " : "FAIL", name, ggml_backend_name(backend));
+            }
+        }
+    }
+    return n_failed;
+}
+
 // ggml_sfi_candidate_scores and ggml_sfi_candidate_values on every backend against their definition, written out here
 struct candidates_case {
     int64_t n_kv;
@@ -1111,6 +1173,7 @@ int main(int argc, char ** argv) {
         }
     }
     n_failed += test_top_k(backends, verbose, &n_run);
+    n_failed += test_top_k_ids(backends, verbose, &n_run);
     n_failed += test_candidates(backends, cpu, verbose, &n_run);
     n_failed += test_copy_rows(backends, verbose, &n_run);
     n_failed += test_flash_attn_evidence(backends, cpu, verbose, &n_run);

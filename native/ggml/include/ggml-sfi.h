@@ -109,6 +109,17 @@ extern "C" {
             struct ggml_tensor  * a,
             int                   k);
 
+    // ggml_sfi_top_k's indices mapped through ids, the rows of ids broadcast over a's rows:
+    //   res[j, i1, i2, i3] = ids[top_k[j, i1, i2, i3], i2, i3]
+    // (e.g. the cells of the picks among each pair's candidates, without a gather after the selection)
+    //
+    // ids: I32 [n, ne2, ne3] contiguous
+    GGML_API struct ggml_tensor * ggml_sfi_top_k_ids(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * a,
+            int                   k,
+            struct ggml_tensor  * ids);
+
     // Rows copied as they are: dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l], whole rows of bytes of any type,
     // the gather of get_rows then set_rows without F32 rows between them (and without the dequantize / quantize of a
     // quantized cache). In place: the result is a view of dst.

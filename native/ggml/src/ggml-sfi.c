@@ -112,6 +112,20 @@ struct ggml_tensor * ggml_sfi_top_k(
     return result;
 }
 
+struct ggml_tensor * ggml_sfi_top_k_ids(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * a,
+        int                   k,
+        struct ggml_tensor  * ids) {
+    GGML_ASSERT(ids->type == GGML_TYPE_I32 && ggml_is_contiguous(ids));
+    GGML_ASSERT(ids->ne[0] == a->ne[0] && ids->ne[1] == a->ne[2] && ids->ne[2] == a->ne[3] && ids->ne[3] == 1);
+
+    struct ggml_tensor * result = ggml_sfi_top_k(ctx, a, k);
+    result->src[1] = ids;
+
+    return result;
+}
+
 struct ggml_tensor * ggml_sfi_copy_rows(
         struct ggml_context * ctx,
         struct ggml_tensor  * dst,

@@ -188,7 +188,8 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
 
 // rows split over the threads; per row the k best indices by a partial selection, then put in increasing order
 void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * a = dst->src[0];
+    const ggml_tensor * a   = dst->src[0];
+    const ggml_tensor * ids = dst->src[1];
 
     const int64_t n      = a->ne[0];
     const int64_t k      = dst->ne[0];
@@ -212,6 +213,13 @@ void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_ten
         auto better = [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); };
         std::nth_element(idx, idx + k - 1, idx + n, better);
         std::sort(idx, idx + k);
+
+        if (ids) { // the row's ids: those of its (i2, i3)
+            const int32_t * ids_r = (const int32_t *) ids->data + (i2 + i3*a->ne[2])*n;
+            for (int64_t j = 0; j < k; ++j) {
+                idx[j] = ids_r[idx[j]];
+            }
+        }
 
         memcpy((char *) dst->data + r*dst->nb[1], idx, k*sizeof(int32_t));
     }

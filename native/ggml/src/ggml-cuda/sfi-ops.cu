@@ -570,9 +570,11 @@ static __device__ __forceinline__ int sfi_block_exclusive_scan(int v, int * buf,
 }
 
 static __global__ void __launch_bounds__(SFI_TOP_K_THREADS) sfi_top_k_kernel(
-        const float * __restrict__ x, int32_t * __restrict__ dst, const int n, const int k) {
-    const float * xr  = x   + (size_t) blockIdx.x*n;
-    int32_t     * out = dst + (size_t) blockIdx.x*k;
+        const float * __restrict__ x, const int32_t * __restrict__ ids, int32_t * __restrict__ dst, const int n, const int k,
+        const int ne1) {
+    const float   * xr    = x   + (size_t) blockIdx.x*n;
+    int32_t       * out   = dst + (size_t) blockIdx.x*k;
+    const int32_t * ids_r = ids ? ids + (size_t) (blockIdx.x/ne1)*n : nullptr; // the row's ids: those of its (i2, i3)
 
     __shared__ int hist[256];
     __shared__ int buf[WARP_SIZE];
@@ -672,10 +674,10 @@ static __global__ void __launch_bounds__(SFI_TOP_K_THREADS) sfi_top_k_kernel(
                 break;
             }
             if (key[e] > prefix) {
-                out[pos++] = i0 + e;
+                out[pos++] = ids_r ? ids_r[i0 + e] : i0 + e;
             } else if (key[e] == prefix) {
                 if (eq < eq_left) {
-                    out[pos++] = i0 + e;
+                    out[pos++] = ids_r ? ids_r[i0 + e] : i0 + e;
                 }
                 eq++;
             }
@@ -701,7 +703,10 @@ void ggml_cuda_op_sfi_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     const int k      = (int) dst->ne[0];
     const int n_rows = (int) ggml_nrows(a);
 
-    sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, ctx.stream()>>>((const float *) a->data, (int32_t *) dst->data, n, k);
+    const ggml_tensor * ids = dst->src[1];
+
+    sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, ctx.stream()>>>((const float *) a->data,
+        ids ? (const int32_t *) ids->data : nullptr, (int32_t *) dst->data, n, k, (int) a->ne[1]);
     CUDA_CHECK(cudaGetLastError());
 }
 
