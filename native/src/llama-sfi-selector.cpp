@@ -259,7 +259,6 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     ggml_tensor * r = ggml_soft_max(ctx, ggml_add(ctx, ggml_scale(ctx, ggml_log(ctx, ggml_clamp(ctx, kn, tiny, big)), sp.key_norm_exponent), prior));
 
     // q = f - lambda (f - r), lambda = <f, f - r>/||f - r||^2 clipped
-
     ggml_tensor * d   = ggml_sub(ctx, fc, r);
     ggml_tensor * num = ggml_sum_rows(ctx, ggml_mul(ctx, fc, d));
     ggml_tensor * den = ggml_scale_bias(ctx, ggml_sum_rows(ctx, ggml_sqr(ctx, d)), 1.0f, 1e-30f); // f == r: lambda 0

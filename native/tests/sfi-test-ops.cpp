@@ -333,6 +333,31 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
 }
 
 // ggml_sfi_top_k: every backend's indices must equal the definition's exactly (a brute-force sort by value, then index)
+// a backend without the op: a failure on the CPU (the reference), else a skip; returns the failures to count
+static int not_supported(ggml_backend_t backend, ggml_backend_t cpu, const std::string & what, bool verbose) {
+    if (backend == cpu) {
+        printf("FAIL %s on %s: not supported (the CPU is the reference)\n", what.c_str(), ggml_backend_name(backend));
+        return 1;
+    }
+    if (verbose) {
+        printf("skip %s on %s: not supported\n", what.c_str(), ggml_backend_name(backend));
+    }
+    return 0;
+}
+
+// ggml_sfi_top_k's definition for one row: the indices of the k largest values by a stable sort (the lower index
+// first among equal values), in increasing order
+static std::vector<int32_t> top_k_ref(const float * x, int64_t n, int64_t k) {
+    std::vector<int32_t> idx(n);
+    for (int64_t i = 0; i < n; ++i) {
+        idx[i] = (int32_t) i;
+    }
+    std::stable_sort(idx.begin(), idx.end(), [x](int32_t i, int32_t j) { return x[i] > x[j]; });
+    std::sort(idx.begin(), idx.begin() + k);
+    idx.resize(k);
+    return idx;
+}
+
 struct top_k_case {
     int64_t n;
     int64_t k;
@@ -392,14 +417,8 @@ static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose
         // the definition
         std::vector<int32_t> ref(tc.k*tc.n_rows);
         for (int64_t r = 0; r < tc.n_rows; ++r) {
-            const float * xr = x.data() + r*tc.n;
-            std::vector<int32_t> idx(tc.n);
-            for (int64_t i = 0; i < tc.n; ++i) {
-                idx[i] = (int32_t) i;
-            }
-            std::stable_sort(idx.begin(), idx.end(), [xr](int32_t i, int32_t j) { return xr[i] > xr[j]; });
-            std::sort(idx.begin(), idx.begin() + tc.k);
-            std::copy(idx.begin(), idx.begin() + tc.k, ref.begin() + r*tc.k);
+            const std::vector<int32_t> idx = top_k_ref(x.data() + r*tc.n, tc.n, tc.k);
+            std::copy(idx.begin(), idx.end(), ref.begin() + r*tc.k);
         }
         for (ggml_backend_t backend : backends) {
             bool supported = false;
@@ -442,13 +461,7 @@ static int test_top_k_ids(const std::vector<ggml_backend_t> & backends, bool ver
         }
         std::vector<int32_t> ref(tc.k*tc.ne1*tc.ne2);
         for (int64_t r = 0; r < tc.ne1*tc.ne2; ++r) {
-            const float * xr = x.data() + r*tc.n;
-            std::vector<int32_t> idx(tc.n);
-            for (int64_t i = 0; i < tc.n; ++i) {
-                idx[i] = (int32_t) i;
-            }
-            std::stable_sort(idx.begin(), idx.end(), [xr](int32_t i, int32_t j) { return xr[i] > xr[j]; });
-            std::sort(idx.begin(), idx.begin() + tc.k);
+            const std::vector<int32_t> idx = top_k_ref(x.data() + r*tc.n, tc.n, tc.k);
             for (int64_t j = 0; j < tc.k; ++j) {
                 ref[r*tc.k + j] = ids[(r/tc.ne1)*tc.n + idx[j]];
             }
@@ -598,10 +611,7 @@ static int test_candidates(const std::vector<ggml_backend_t> & backends, ggml_ba
 
             const bool supported = ggml_backend_supports_op(backend, cs) && ggml_backend_supports_op(backend, vals);
             if (!supported) {
-                if (backend == cpu) {
-                    printf("FAIL %s on CPU: not supported (the CPU is the reference)\n", tc.name().c_str());
-                    n_failed++;
-                }
+                n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 ggml_free(ctx);
                 continue;
             }
@@ -775,10 +785,7 @@ static int test_selector_scores(const std::vector<ggml_backend_t> & backends, gg
             ggml_tensor * out = ggml_sfi_selector_scores(ctx, tv, tk, tc_cells, p);
 
             if (!ggml_backend_supports_op(backend, out)) {
-                if (backend == cpu) {
-                    printf("FAIL %s on CPU: not supported (the CPU is the reference)\n", tc.name().c_str());
-                    n_failed++;
-                }
+                n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 ggml_free(ctx);
                 continue;
             }
@@ -1032,12 +1039,7 @@ static int test_flash_attn_evidence(const std::vector<ggml_backend_t> & backends
             const std::vector<float> got = run_fae(backend, tc, qv, kv, vv, mv, false, &supported);
             const char * name = ggml_backend_name(backend);
             if (!supported) {
-                if (backend == cpu) {
-                    printf("FAIL %s on %s: not supported (the CPU is the reference)\n", tc.name().c_str(), name);
-                    n_failed++;
-                } else if (verbose) {
-                    printf("skip %s on %s: not supported\n", tc.name().c_str(), name);
-                }
+                n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 continue;
             }
             GGML_ASSERT(got.size() == ref.size());
@@ -1150,12 +1152,7 @@ int main(int argc, char ** argv) {
             const std::vector<float> got = run(backend, tc, in, false, &supported);
             const char * name = ggml_backend_name(backend);
             if (!supported) {
-                if (backend == cpu) {
-                    printf("FAIL %s on %s: not supported (the CPU is the reference)\n", tc.name().c_str(), name);
-                    n_failed++;
-                } else if (verbose) {
-                    printf("skip %s on %s: not supported\n", tc.name().c_str(), name);
-                }
+                n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 continue;
             }
             // the CPU takes the reference's own products; other backends round and sum in their own order
