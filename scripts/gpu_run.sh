@@ -10,7 +10,8 @@
 #   bench (SFI_BENCH_DEPTHS, SFI_BENCH_SHAPES: qwen3-4b qwen3-0.6b ..., SFI_BENCH_WEIGHTS: f16 q4_k_m ..., SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
 #   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV),
-#   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),, selector-tests (the device Selector against numpy), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
+#   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),
+#   selector-tests (the device Selector against numpy), greedy-tests (greedy picks in the graph against the host's), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back, as results.tgz when there are more than 8) or .gpu-out/.
@@ -85,6 +86,11 @@ if [[ " $stages " == *" selector-tests "* ]]; then
     log "device Selector tests on the GPU (selections against the numpy reference)"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_device_selector.py \
         2>&1 | tee "$OUT/gpu-selector-tests.log" | tail -5
+fi
+if [[ " $stages " == *" greedy-tests "* ]]; then
+    log "greedy picks in the graph on the GPU against the host's argmax and softmax"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_device_greedy.py \
+        2>&1 | tee "$OUT/gpu-greedy-tests.log" | tail -5
 fi
 if [[ " $stages " == *" overhead "* ]]; then
     log "dense overhead: SFILlama vs C (Qwen3-4B shape, F16)"

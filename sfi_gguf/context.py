@@ -15,6 +15,8 @@ import numpy as np
 
 from ._native import llama_cpp
 from ._progress import Progress
+from .device_greedy import DeviceGreedy
+from .policy import top1_probability
 
 
 class ContextError(RuntimeError):
@@ -72,6 +74,9 @@ class LlamaContext:
         self.seq = 0
         self._owner = True      # closes the model and context (sequence handles do not)
         self.logits_index = -1  # row of this sequence's logits in the last llama_decode's outputs
+        self._device_greedy: DeviceGreedy | None = None  # greedy picks in the graph (set_device_greedy)
+        self._greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
+        self._sampled_on_device = False  # the last decode did
         llama_cpp.llama_backend_init()
         self.model = None
         self.ctx = None
@@ -124,6 +129,8 @@ class LlamaContext:
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
         self.n_seq_max = n_seq_max
+        if n_seq_max == 1:  # (backend samplers are per sequence; a batch's sequences read their logits)
+            self._device_greedy = DeviceGreedy(ctx, 0)
         # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
@@ -194,6 +201,7 @@ class LlamaContext:
         handle = object.__new__(LlamaContext)
         handle.__dict__.update(self.__dict__)
         handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
+        handle._device_greedy, handle._greedy_on_device, handle._sampled_on_device = None, False, False
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         return handle
 
@@ -208,6 +216,8 @@ class LlamaContext:
         if not self._owner:
             self.ctx = self.model = None
             return
+        if self._device_greedy is not None and self.ctx:
+            self._device_greedy.detach()
         if self.ctx:
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
@@ -266,8 +276,40 @@ class LlamaContext:
         """Logits of the last decoded token: a zero-copy float32 view, valid until the next decode."""
         if not self.ctx:
             raise self._closed()
+        if self._sampled_on_device:
+            raise ContextError("the last decode picked its token on the device (set_device_greedy) and copied no "
+                               "logits: detach it before a decode whose logits are read")
         ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, self.logits_index), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
+
+    def set_device_greedy(self, on: bool) -> bool:
+        """Greedy picks made in the decode's graph from the next decode on (`greedy_token`, `greedy_probability`;
+        `last_logits` is then refused), or no longer. Only a context of one sequence that owns its llama_context
+        has it, and only where the output's device runs its ops: returns whether it is on."""
+        if not self.ctx:
+            if not on:  # (a generation's end after the context was closed)
+                return False
+            raise self._closed()
+        if self._device_greedy is None or not self._owner:
+            return False
+        if on:
+            self._greedy_on_device = self._device_greedy.attach()
+        else:
+            self._device_greedy.detach()
+            self._greedy_on_device = False
+        return self._greedy_on_device
+
+    def greedy_token(self) -> int:
+        """The most likely next token after the last decode (the first of equal maxima on the host)."""
+        if self._sampled_on_device:
+            return self._device_greedy.token(self.logits_index)
+        return int(np.argmax(self.last_logits()))
+
+    def greedy_probability(self) -> float:
+        """The probability of `greedy_token` under the softmax of the last decode's logits."""
+        if self._sampled_on_device:
+            return self._device_greedy.probability(self.logits_index)
+        return top1_probability(self.last_logits())
 
     def is_eog(self, token: int) -> bool:
         if not self.model:
@@ -337,6 +379,7 @@ class LlamaContext:
             raise ContextError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx={self.n_ctx}")
         self._fill(tokens, len(self.tokens), want_last_logits)
         self.logits_index = -1
+        self._sampled_on_device = self._greedy_on_device and want_last_logits
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
@@ -355,6 +398,7 @@ class LlamaContext:
         batch.seq_id[0][0] = self.seq
         batch.logits[0] = 1
         self.logits_index = -1
+        self._sampled_on_device = self._greedy_on_device
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
@@ -413,6 +457,7 @@ class BorrowedContext(LlamaContext):
         self.seq = 0
         self._owner = False
         self.logits_index = -1
+        self._device_greedy, self._greedy_on_device, self._sampled_on_device = None, False, False
         self._cb_eval = None
         self._batch = None
         self.model = model

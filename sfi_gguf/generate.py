@@ -203,7 +203,13 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
 
     `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
     """
-    start_generation(stepper, prompt_tokens, sampler, stats, progress)
+    # a plain greedy pick that nothing else reads the logits for is made in the decode's graph
+    ctx.set_device_greedy(not sampler.reads_logits and stopping_criteria is None)
+    try:
+        start_generation(stepper, prompt_tokens, sampler, stats, progress)
+    except BaseException:
+        ctx.set_device_greedy(False)
+        raise
     ending = Ending(stop, max_tokens, ignore_eos, stats, out_tokens, cancel, keep_special, stopping_criteria)
     t_decode = time.perf_counter()
     try:
@@ -219,6 +225,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
         if tail:
             yield tail
     finally:
+        ctx.set_device_greedy(False)
         stats.decode_s = time.perf_counter() - t_decode
         stats.finish_reason = ending.reason or "length"  # (abandoned or failed midway: as the length ran out)
         stats.n_ctx_end = len(ctx.tokens)

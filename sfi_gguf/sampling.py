@@ -176,6 +176,11 @@ class Sampler:
             add(llama_cpp.llama_sampler_init_dist(self.seed))
         self._chain = chain
 
+    @property
+    def reads_logits(self) -> bool:
+        """Whether `sample` reads the logits (anything but a plain greedy pick): the decodes must copy them."""
+        return not self._plain_greedy or self.logits_processor is not None or self.n_logprobs is not None
+
     def sample(self, ctx: "LlamaContext") -> int:
         """Sample from the logits of the last token of the last decode (and accept it)."""
         raw = None
@@ -183,7 +188,10 @@ class Sampler:
             logits = ctx.last_logits()  # (a view of llama.cpp's buffer: the chain samples what is written here)
             raw = logits.copy() if self.n_logprobs is not None else None
             logits[:] = self.logits_processor(np.array(ctx.tokens, dtype=np.intc), logits.copy())
-        if self._plain_greedy:
+        if self._plain_greedy and self.logits_processor is None:
+            token = ctx.greedy_token()
+            llama_cpp.llama_sampler_accept(self._chain, token)
+        elif self._plain_greedy:
             token = int(np.argmax(ctx.last_logits()))
             llama_cpp.llama_sampler_accept(self._chain, token)
         else:

@@ -22,7 +22,7 @@ import numpy as np
 from .config import SFIConfig
 from .context import LlamaContext
 from .native import DeviceSelection, SFINative
-from .policy import MemoryMode, TriggerPolicy, top1_probability
+from .policy import MemoryMode, TriggerPolicy
 from .selector import AttentionExport, CandidateRange, Selector
 
 
@@ -210,8 +210,7 @@ class SFIStepper:
         """Read what the policy needs from the step's logits while they are there (a batched loop's next
         llama_decode overwrites them): the top-1 probability, on sparse steps where the policy would read it
         (one softmax over the vocabulary)."""
-        self._top1 = (top1_probability(self.ctx.last_logits())
-                      if self._sparse and self.policy.wants_confidence() else None)
+        self._top1 = self.ctx.greedy_probability() if self._sparse and self.policy.wants_confidence() else None
 
     def annotate(self, stats) -> None:
         self._drop_pending()

@@ -46,11 +46,11 @@ def test_budget_covering_the_whole_context_equals_dense(llm, prompt):
 
 
 def test_statistics_add_up(llm, prompt, monkeypatch):
-    import sfi_gguf.sfi as sfi_module
+    from sfi_gguf.context import LlamaContext
 
     softmaxes = []  # the confidence's softmax over the vocabulary runs only where the policy reads it
-    real = sfi_module.top1_probability
-    monkeypatch.setattr(sfi_module, "top1_probability", lambda logits: softmaxes.append(1) or real(logits))
+    real = LlamaContext.greedy_probability
+    monkeypatch.setattr(LlamaContext, "greedy_probability", lambda ctx: softmaxes.append(1) or real(ctx))
     out = _generate(llm, prompt, SFIConfig(k_head=512), n=96)
     s = out.stats.sfi
     assert 0 < len(softmaxes) < s.n_fast  # every step's logits had one before (n_fast + n_slow + 1)

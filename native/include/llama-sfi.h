@@ -260,6 +260,17 @@ extern "C" {
     // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).
     LLAMA_API uint32_t llama_sfi_seq_status(const struct llama_context * ctx, llama_seq_id seq);
 
+    // Greedy sampling in the decode's graph: a sampler for a llama_sampler_chain attached with llama_set_sampler()
+    // (llama.cpp's backend sampling) that picks the first of the largest logits, as llama_sampler_init_greedy() does,
+    // and its probability under the softmax of the logits: after llama_decode(), llama_get_sampled_token_ith() is the
+    // token, llama_get_sampled_probs_ith() its probability (one value; llama_get_sampled_candidates_ith() is the
+    // token again), and the logits are not copied to the host. Outside a backend chain it is the host's greedy pick.
+    LLAMA_API struct llama_sampler * llama_sfi_sampler_init_greedy(void);
+
+    // whether smpl (from llama_sfi_sampler_init_greedy) runs in the graph: after the llama_set_sampler() of its chain,
+    // false when the output's device lacks one of its ops (then detach the chain: the decode would copy no logits)
+    LLAMA_API bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl);
+
     // llama_log_set(callback, user_data) behind a filter that drops messages below min_level (and the lines that
     // continue them) before they reach callback: a callback into an interpreter costs tens of microseconds a
     // message, and a GPU backend logs debug lines at every decode. A NULL callback restores llama.cpp's default.

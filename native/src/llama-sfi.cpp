@@ -14,7 +14,7 @@
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 12
+#define LLAMA_SFI_API_VERSION 13
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;

@@ -180,16 +180,20 @@ def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) ->
     SFI statistics are reset after the prefill, so they cover the decoding only (the bootstrap
     slow step belongs to the prompt)."""
     ctx = llm.context
-    stepper.prefill(list(prompt))
-    if hasattr(stepper, "stats"):
-        s = stepper.stats
-        s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
-    t0 = time.perf_counter()
-    for token in forced:
-        int(np.argmax(ctx.last_logits()))  # the greedy pick a real decode makes (waits for the step)
-        stepper.step(int(token))
-    int(np.argmax(ctx.last_logits()))
-    return time.perf_counter() - t0
+    ctx.set_device_greedy(True)  # as a greedy generation picks (run_generation)
+    try:
+        stepper.prefill(list(prompt))
+        if hasattr(stepper, "stats"):
+            s = stepper.stats
+            s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
+        t0 = time.perf_counter()
+        for token in forced:
+            ctx.greedy_token()  # the greedy pick a real decode makes (waits for the step)
+            stepper.step(int(token))
+        ctx.greedy_token()
+        return time.perf_counter() - t0
+    finally:
+        ctx.set_device_greedy(False)
 
 
 def _budget(config: SFIConfig, depth: int) -> int:

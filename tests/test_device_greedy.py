@@ -1,0 +1,113 @@
+"""Greedy picks made in the decode's graph (`LlamaContext.set_device_greedy`, native/src/llama-sfi-sampler.cpp).
+
+The pick and its probability against the host's argmax and softmax of the same logits, on the real default model;
+the logits refused while they are not copied; greedy generations (dense and SFI) equal to the host's picks.
+"""
+import os
+
+import numpy as np
+import pytest
+
+from sfi_gguf import SFILlama
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.context import ContextError, LlamaContext
+from sfi_gguf.device_greedy import DeviceGreedy
+from sfi_gguf.models import ensure_model
+from sfi_gguf.policy import top1_probability
+from sfi_gguf.tools.random_model import random_model
+from sfi_gguf.tools.texts import natural_text
+
+NGL = int(os.environ.get("SFI_TEST_NGL", "0"))  # 99: the layers and the output on the GPU (CUDA build)
+PROMPT = "The three most important ideas in computer architecture are"
+
+
+@pytest.mark.parametrize("flash_attn", [False, True], ids=["no_fa", "fa"])
+@pytest.mark.parametrize("model", [pytest.param("default", marks=pytest.mark.real_model), "tiny-llama"])
+def test_device_pick_is_the_host_argmax_with_its_probability(model, flash_attn):
+    path = ensure_model() if model == "default" else random_model(model)
+    ctx = LlamaContext(path, 512, 0 if model == "default" else NGL, 2, 512, flash_attn, False)
+    try:
+        tokens = ctx.tokenize(PROMPT) if model == "default" else [1 + (7 * i) % 200 for i in range(40)]
+
+        def run(pick):  # the same decodes from an empty cache: (pick, its probability) after each
+            ctx.clear()
+            ctx.prefill(tokens)
+            out = [pick()]
+            for _ in range(12):
+                ctx.decode_one(out[-1][0])
+                out.append(pick())
+            return out
+
+        host = run(lambda: (int(np.argmax(ctx.last_logits())), top1_probability(ctx.last_logits())))
+        assert ctx.set_device_greedy(True)
+        device = run(lambda: (ctx.greedy_token(), ctx.greedy_probability()))
+        with pytest.raises(ContextError, match="copied no logits"):
+            ctx.last_logits()
+
+        assert [t for t, _ in device] == [t for t, _ in host]
+        np.testing.assert_allclose([p for _, p in device], [p for _, p in host], rtol=1e-4)
+        assert min(p for _, p in host) < 0.9  # (the probabilities are not all ~1)
+        assert len(set(t for t, _ in host)) > 1
+
+        assert not ctx.set_device_greedy(False)
+        ctx.decode_one(device[-1][0])  # logits again from the next decode on
+        assert int(np.argmax(ctx.last_logits())) == ctx.greedy_token()
+    finally:
+        ctx.close()
+
+
+@pytest.mark.real_model
+def test_contexts_of_several_sequences_pick_on_the_host():
+    ctx = LlamaContext(ensure_model(), 256, 0, 2, 256, False, False, n_seq_max=2)
+    try:
+        assert not ctx.set_device_greedy(True)
+        assert not ctx.sequence(1).set_device_greedy(True)
+    finally:
+        ctx.close()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    model = SFILlama(None, n_ctx=4096, n_threads=2, sfi=SFIConfig(k_head=512))
+    yield model
+    model.close()
+
+
+def _count_device_picks(monkeypatch) -> list:
+    picks = []
+    real = DeviceGreedy.token
+    monkeypatch.setattr(DeviceGreedy, "token", lambda self, index: picks.append(1) or real(self, index))
+    return picks
+
+
+@pytest.mark.real_model
+def test_greedy_generations_pick_on_the_device_as_the_host_does(llm, monkeypatch):
+    """SFI with its confidence trigger: the same tokens and the same slow steps whether the picks and the
+    probabilities the trigger reads come from the graph or from the logits (logprobs make the host pick)."""
+    prompt = llm.tokenize(natural_text(16000, seed=3))[:3000]
+    llm.sfi_config = SFIConfig(k_head=512, confidence_floor=0.8)  # (more confidence refreshes)
+    picks = _count_device_picks(monkeypatch)
+    llm.reset()  # both prefill from scratch: the same cache, bit for bit
+    on_device = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True)
+    assert len(picks) == 64
+    llm.reset()
+    on_host = llm.generate(prompt, max_tokens=64, temperature=0, ignore_eos=True, logprobs=1)
+    assert len(picks) == 64
+    assert on_device.tokens == on_host.tokens
+    s, h = on_device.stats.sfi, on_host.stats.sfi
+    assert s.n_slow >= 2 and s.slow_steps == h.slow_steps and s.reasons == h.reasons
+    assert s.reasons.get("confidence", 0) >= 1  # the trigger read the device's probabilities
+
+    llm.sfi_config = SFIConfig(k_head=512)
+    dense = llm.generate(PROMPT, max_tokens=24, temperature=0, sfi=False)
+    dense_host = llm.generate(PROMPT, max_tokens=24, temperature=0, sfi=False, logprobs=1)
+    assert dense.tokens == dense_host.tokens and len(picks) == 64 + 24
+
+
+@pytest.mark.real_model
+def test_a_generation_leaves_the_logits_to_the_next_decode(llm):
+    llm.generate(PROMPT, max_tokens=4, temperature=0, sfi=False)
+    ctx = llm.context
+    assert not ctx._greedy_on_device
+    ctx.decode_one(ctx.greedy_token())
+    assert ctx.last_logits().shape == (ctx.n_vocab,)
