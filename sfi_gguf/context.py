@@ -62,6 +62,12 @@ class LlamaContext:
 
     SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 
+    # greedy picks in the graph (set_device_greedy): only a context of one sequence that owns its llama_context has
+    # them; sequence handles and borrowed contexts keep these defaults
+    _device_greedy: DeviceGreedy | None = None
+    _greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
+    _sampled_on_device = False  # the last decode did
+
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
                  main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
@@ -74,9 +80,6 @@ class LlamaContext:
         self.seq = 0
         self._owner = True      # closes the model and context (sequence handles do not)
         self.logits_index = -1  # row of this sequence's logits in the last llama_decode's outputs
-        self._device_greedy: DeviceGreedy | None = None  # greedy picks in the graph (set_device_greedy)
-        self._greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
-        self._sampled_on_device = False  # the last decode did
         llama_cpp.llama_backend_init()
         self.model = None
         self.ctx = None
@@ -201,7 +204,6 @@ class LlamaContext:
         handle = object.__new__(LlamaContext)
         handle.__dict__.update(self.__dict__)
         handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
-        handle._device_greedy, handle._greedy_on_device, handle._sampled_on_device = None, False, False
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         return handle
 
@@ -216,9 +218,9 @@ class LlamaContext:
         if not self._owner:
             self.ctx = self.model = None
             return
-        if self._device_greedy is not None and self.ctx:
-            self._device_greedy.detach()
         if self.ctx:
+            if self._device_greedy is not None:
+                self._device_greedy.detach()
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
         if self.model:
@@ -290,7 +292,7 @@ class LlamaContext:
             if not on:  # (a generation's end after the context was closed)
                 return False
             raise self._closed()
-        if self._device_greedy is None or not self._owner:
+        if self._device_greedy is None:
             return False
         if on:
             self._greedy_on_device = self._device_greedy.attach()
@@ -457,7 +459,6 @@ class BorrowedContext(LlamaContext):
         self.seq = 0
         self._owner = False
         self.logits_index = -1
-        self._device_greedy, self._greedy_on_device, self._sampled_on_device = None, False, False
         self._cb_eval = None
         self._batch = None
         self.model = model

@@ -32,10 +32,6 @@ class DeviceGreedy:
         self.seq = seq
         self._chain = None
 
-    @property
-    def attached(self) -> bool:
-        return self._chain is not None
-
     def attach(self) -> bool:
         """Attach a new chain; False (nothing attached) where the output's device cannot run its ops."""
         if self._chain is not None:

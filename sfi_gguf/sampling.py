@@ -188,11 +188,8 @@ class Sampler:
             logits = ctx.last_logits()  # (a view of llama.cpp's buffer: the chain samples what is written here)
             raw = logits.copy() if self.n_logprobs is not None else None
             logits[:] = self.logits_processor(np.array(ctx.tokens, dtype=np.intc), logits.copy())
-        if self._plain_greedy and self.logits_processor is None:
+        if self._plain_greedy:  # (of the logits the processor rewrote, if any: then they are on the host)
             token = ctx.greedy_token()
-            llama_cpp.llama_sampler_accept(self._chain, token)
-        elif self._plain_greedy:
-            token = int(np.argmax(ctx.last_logits()))
             llama_cpp.llama_sampler_accept(self._chain, token)
         else:
             token = llama_cpp.llama_sampler_sample(self._chain, ctx.ctx, ctx.logits_index)
