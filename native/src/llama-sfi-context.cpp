@@ -61,9 +61,22 @@ void llama_sfi_export::reset() {
     for (auto * v : { &cells, &selection, &picks }) {
         v->clear();
     }
+    selection_in = nullptr;
+    cells_in     = nullptr;
     shared.clear();
     for (auto * v : { &mass, &evidence, &key_norms }) {
         v->clear();
+    }
+}
+
+void llama_sfi_export::own(size_t n_layers, size_t n_head_kv) {
+    if (selection_in) {
+        selection.assign(selection_in, selection_in + n_layers*n_head_kv*n_sel);
+        selection_in = nullptr;
+    }
+    if (cells_in) {
+        cells.assign(cells_in, cells_in + n_layers*n_cells);
+        cells_in = nullptr;
     }
 }
 
@@ -329,17 +342,32 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
     // picks that are cell ids (res.sel_cells) go to the selection as they are, with nothing to map
     const bool ids = res.sel_cells;
 
+    // one stream whose every layer the run refreshed, with cell ids of every KV head: the copies have the layout
+    // of its selection and candidates, which are read where they are (llama_sfi_export::selection_in)
+    bool in_place = ns == 1 && ids && t0->ne[1] == (int64_t) n_head_kv;
+    for (size_t i = 0; i < n_layers; ++i) {
+        in_place = in_place && res.sel[i] == t0 && res.cells[i] == c0;
+    }
+
     for (int64_t j = 0; j < ns; ++j) {
         auto & ex = exports[res.s0 + j];
 
         // every row is written below: by a refreshed layer's picks, or for a layer not refreshed its kept cells (or
         // the stream keeps none, and its selection is not read), its candidates and picks -1
         ex.reset();
+        if (in_place) {
+            continue;
+        }
         ex.selection.resize(n_layers*n_head_kv*n_sel);
         ex.cells.resize(n_layers*n_cand);
         if (!ids) {
             ex.picks.resize(n_layers*n_head_kv*n_sel);
         }
+    }
+
+    // the buffers take this step's copies: the exports still read from them get their own
+    for (auto & ex : exports) {
+        ex.own(n_layers, n_head_kv);
     }
 
     // t_sfi_sel[i] and t_sfi_cells[i]: the outputs of layer i's run of layers, layer-major (pair b = l*ns + j,
@@ -413,12 +441,20 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
             ggml_backend_tensor_get(tc, c, 0, ggml_nbytes(tc));
             picks = p;
             cells = c;
+            if (in_place) {
+                GGML_ASSERT(tp->ne[2] == (int64_t) n_layers && tc->ne[1] == (int64_t) n_layers);
+                exports[res.s0].selection_in = p;
+                exports[res.s0].cells_in     = c;
+                break; // every layer's
+            }
         }
 
         copying.push_back({ i, l, tp->ne[1] });
         ++l;
     }
-    copy_run();
+    if (!in_place) {
+        copy_run();
+    }
 
     llama_sfi_parallel_for(ns, [&](int64_t j) {
         const uint32_t     s   = res.s0 + j;
@@ -429,7 +465,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
 
         ex.seq      = seq;
         ex.range    = llama_sfi_selector_range(*view, seq);
-        ex.n_cells  = ex.cells.size()/n_layers;
+        ex.n_cells  = n_cand;
         ex.n_sel    = kept[j] ? n_sel : 0;
         ex.n_rows   = std::min<int32_t>(params.n_query_rows, n_tps);
         ex.n_edits  = st.n_edits;
@@ -480,6 +516,7 @@ void llama_sfi_context::map_selection(uint32_t s) {
 
     if (n_sel == 0) {
         ex.selection.clear();
+        ex.selection_in = nullptr;
         ex.picks.clear();
         return;
     }
@@ -508,9 +545,10 @@ void llama_sfi_context::map_selection(uint32_t s) {
         const auto & kv_cells = view->kv.get_cells(ex.seq);
         const auto   in_range = llama_sfi_cells_holding(kv_cells, ex.seq, ex.range.first, ex.range.second);
 
-        const uint32_t n_cells = in_range.size();
-        for (const int32_t c : ex.selection) {
-            bad |= (uint32_t) c < n_cells ? in_range[c] ^ 1 : 1;
+        const uint32_t  n_cells = in_range.size();
+        const int32_t * sel     = ex.selection_data();
+        for (size_t k = 0; k < n_layers*n_head_kv*n_sel; ++k) {
+            bad |= (uint32_t) sel[k] < n_cells ? in_range[sel[k]] ^ 1 : 1;
         }
     }
 
@@ -518,6 +556,7 @@ void llama_sfi_context::map_selection(uint32_t s) {
 
     if (!ok) {
         ex.selection.clear();
+        ex.selection_in = nullptr;
         ex.shared.clear();
         ex.n_sel    = 0;
         ex.gathered = false;
@@ -543,7 +582,7 @@ int32_t llama_sfi_context::load_selection(uint32_t s) {
         if (ex.n_sel == 0) {
             return LLAMA_SFI_ERR_NO_SELECTION;
         }
-        view->store_selection(st, ex.selection.data(), ex.n_sel, ex.shared.data(), ex.shared.size());
+        view->store_selection(st, ex.selection_data(), ex.n_sel, ex.shared.data(), ex.shared.size());
         return 0;
     }
 
@@ -579,5 +618,5 @@ void llama_sfi_context::resolve(uint32_t s) {
         return;
     }
 
-    view->store_rows(st, ex.selection.data(), ex.n_sel, ex.shared.data(), ex.shared.size(), st.prev_n_sel, st.prev_n_own);
+    view->store_rows(st, ex.selection_data(), ex.n_sel, ex.shared.data(), ex.shared.size(), st.prev_n_sel, st.prev_n_own);
 }

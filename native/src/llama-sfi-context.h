@@ -53,6 +53,20 @@ struct llama_sfi_export {
 
     int32_t n_sel = 0;
     llama_sfi_ints selection; // [n_layers][n_head_kv_max][n_sel]: the device Selector's cells, if it ran
+
+    // a slow step's copy of one stream's picks and candidates that has their layout (picks that are cell ids, every
+    // layer refreshed) stays where the copy put it, in the context's buffers, and is read there: the step copies MBs
+    // less. own() moves it here before those buffers take another copy
+    const int32_t * selection_in = nullptr;
+    const int32_t * cells_in     = nullptr;
+
+    const int32_t * selection_data() const { return selection_in ? selection_in : selection.data(); }
+    const int32_t * cells_data()     const { return cells_in     ? cells_in     : cells.data(); }
+
+    bool has_selection() const { return selection_in || !selection.empty(); }
+    bool has_cells()     const { return cells_in     || !cells.empty(); }
+
+    void own(size_t n_layers, size_t n_head_kv);
     std::vector<int32_t> shared;    // with a selection: the cells outside the Selector's range (sink, recent)
     bool gathered = false;          // ... and the step gathered them into the view
 

@@ -340,14 +340,14 @@ const int32_t * llama_sfi_seq_get_candidates(struct llama_context * ctx, llama_s
 
     const auto * ex = llama_sfi_seq_export(ctx, seq);
 
-    if (!ex || ex->cells.empty()) {
+    if (!ex || !ex->has_cells()) {
         return nullptr;
     }
 
     if (n_layers) { *n_layers = ctx->get_sfi()->view->layers.size(); }
     if (n_cells)  { *n_cells  = ex->n_cells; }
 
-    return ex->cells.data();
+    return ex->cells_data();
 }
 
 struct llama_sfi_selector_params llama_sfi_selector_default_params(void) {
@@ -436,7 +436,7 @@ const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_se
     sfi->map_selection(s);
 
     const auto & ex = sfi->exports[s];
-    if (ex.selection.empty()) {
+    if (!ex.has_selection()) {
         return nullptr;
     }
 
@@ -444,7 +444,7 @@ const int32_t * llama_sfi_seq_get_selection(struct llama_context * ctx, llama_se
     if (n_head_kv) { *n_head_kv = sfi->view->n_head_kv_max; }
     if (n_sel)     { *n_sel     = ex.n_sel; }
 
-    return ex.selection.data();
+    return ex.selection_data();
 }
 
 int32_t llama_sfi_seq_selection_size(const struct llama_context * ctx, llama_seq_id seq) {
