@@ -95,6 +95,7 @@ class BatchedDecoder:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
+        self.slots[0].ctx.set_device_greedy(False)  # (the base context stays)
         for slot in self.slots[1:]:
             slot.ctx.close()
 
@@ -116,6 +117,9 @@ class BatchedDecoder:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
         slot.request = request
         slot.stepper = self.make_stepper(slot.ctx, request.config)
+        # a plain greedy pick that nothing else reads the logits for is made in the decode's graph (a slot keeps its
+        # sampler between requests of one kind: attaching or detaching one makes llama.cpp reserve its graphs again)
+        slot.ctx.set_device_greedy(not request.sampler.reads_logits and request.stopping_criteria is None)
         start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
         slot.ending = Ending(request.stop, request.max_tokens, request.ignore_eos, request.stats, request.out_tokens,
                              request.cancel, request.keep_special, request.stopping_criteria)
@@ -131,6 +135,13 @@ class BatchedDecoder:
             if slot.request is request:
                 slot.request = slot.stepper = None
                 slot.ctx.sync()
+
+    def clear(self) -> None:
+        """Forget every slot's cache, as a fresh context holds none (a slot's own clear leaves the cache's cells
+        where they were, and a prompt prefilled again then lands on other cells)."""
+        llama_cpp.llama_memory_clear(self.base.memory, True)
+        for slot in self.slots:
+            slot.ctx.tokens.clear()
 
     def reset(self) -> None:
         """Abandon every request (after a failed step); the slots are free and consistent again."""
@@ -207,8 +218,7 @@ class BatchedDecoder:
             kinds = ", ".join(sorted({kind for _, kind in group}))
             raise ContextError(f"llama_decode failed with code {rc} ({len(group)} sequences, {kinds})")
         for i, (slot, _) in enumerate(group):
-            slot.ctx.tokens.append(slot.token)
-            slot.ctx.logits_index = i
+            slot.ctx.decoded_in_batch(slot.token, i)
 
     def _sample(self, slot: _Slot) -> None:
         """Sample the slot's next token and emit its text; mark the request done when it ends."""

@@ -62,8 +62,8 @@ class LlamaContext:
 
     SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 
-    # greedy picks in the graph (set_device_greedy): only a context of one sequence that owns its llama_context has
-    # them; sequence handles and borrowed contexts keep these defaults
+    # greedy picks in the graph (set_device_greedy), per sequence: a context that owns its llama_context and its
+    # sequence handles have them; borrowed contexts keep these defaults
     _device_greedy: DeviceGreedy | None = None
     _greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
     _sampled_on_device = False  # the last decode did
@@ -132,8 +132,7 @@ class LlamaContext:
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
         self.n_seq_max = n_seq_max
-        if n_seq_max == 1:  # (backend samplers are per sequence; a batch's sequences read their logits)
-            self._device_greedy = DeviceGreedy(ctx, 0)
+        self._device_greedy = DeviceGreedy(ctx, 0)  # (sequence 0's: backend samplers are per sequence)
         # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
@@ -205,6 +204,8 @@ class LlamaContext:
         handle.__dict__.update(self.__dict__)
         handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
+        handle._device_greedy = DeviceGreedy(self.ctx, seq)
+        handle._greedy_on_device = handle._sampled_on_device = False
         return handle
 
     def _closed(self) -> ContextError:
@@ -216,6 +217,8 @@ class LlamaContext:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
         if not self._owner:
+            if self.ctx and self._device_greedy is not None:
+                self._device_greedy.detach()  # (the owner's llama_context outlives the handle)
             self.ctx = self.model = None
             return
         if self.ctx:
@@ -386,6 +389,13 @@ class LlamaContext:
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
         self.tokens.extend(tokens)
+
+    def decoded_in_batch(self, token: int, row: int) -> None:
+        """`token` of this sequence was row `row` of a llama_decode of several sequences (`decode_one_per_sequence`):
+        its logits, or its device pick, are that row's."""
+        self.tokens.append(token)
+        self.logits_index = row
+        self._sampled_on_device = self._greedy_on_device
 
     def decode_one(self, token: int) -> None:
         """One decode step: the hot path, kept to a few ctypes stores."""

@@ -125,8 +125,11 @@ class SFILlama:
 
     @_serialised
     def reset(self) -> None:
-        """Forget the KV cache (the next generate prefills its whole prompt)."""
-        self._ctx.clear()
+        """Forget the KV cache, every sequence's (the next generate prefills its whole prompt)."""
+        if self._batched is not None:
+            self._batched.clear()
+        else:
+            self._ctx.clear()
 
     def close(self) -> None:
         """Free the model and its context; any later call raises ContextError. Waits for a call in

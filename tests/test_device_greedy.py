@@ -57,13 +57,62 @@ def test_device_pick_is_the_host_argmax_with_its_probability(model, flash_attn):
 
 
 @pytest.mark.real_model
-def test_contexts_of_several_sequences_pick_on_the_host():
+def test_sequence_handles_pick_on_the_device_each():
     ctx = LlamaContext(ensure_model(), 256, 0, 2, 256, False, False, n_seq_max=2)
+    one = ctx.sequence(1)
     try:
-        assert not ctx.set_device_greedy(True)
-        assert not ctx.sequence(1).set_device_greedy(True)
+        assert ctx.set_device_greedy(True) and one.set_device_greedy(True)
+        assert one._device_greedy.seq == 1
+        one.prefill(ctx.tokenize(PROMPT))  # alone: its pick is its own row's
+        token = one.greedy_token()
+        with pytest.raises(ContextError, match="copied no logits"):
+            one.last_logits()
+        assert not one.set_device_greedy(False)
+        one.truncate(0)
+        one.prefill(ctx.tokenize(PROMPT))
+        assert int(np.argmax(one.last_logits())) == token
     finally:
+        one.close()
         ctx.close()
+
+
+@pytest.mark.parametrize("model", [pytest.param("default", marks=pytest.mark.real_model), "tiny-llama"])
+def test_a_batch_picks_on_the_device_per_sequence(model, monkeypatch):
+    """Sequences decoded together: the greedy ones pick in the graph, each its own row, with the tokens and the slow
+    steps of the host's picks (logprobs make the host pick); a sampled sequence among them reads its logits."""
+    path = None if model == "default" else random_model(model)
+    llm = SFILlama(path, n_ctx=2048, n_threads=2, n_gpu_layers=0 if model == "default" else NGL, n_parallel=3,
+                   sfi=SFIConfig(k_head=64, n_recent=64, min_context=0, confidence_floor=0.8))
+    try:
+        if model == "default":
+            prompts = [llm.tokenize(natural_text(6000, seed=s))[:700] for s in range(3)]
+        else:
+            prompts = [[1 + (7 * i + 13 * s) % 200 for i in range(700)] for s in range(3)]
+        picks = _count_device_picks(monkeypatch)
+
+        def run(*kinds):  # one request per prompt: "device" / "host" greedy, or "sampled"; each prefilled anew
+            llm.reset()
+            requests = [llm.batch_request(p, max_tokens=32, ignore_eos=True, temperature=0.8 if k == "sampled" else 0,
+                                          seed=5, logprobs=1 if k == "host" else None)
+                        for p, k in zip(prompts, kinds)]
+            llm.batched_decoder().run(requests)
+            return [r.completion() for r in requests]
+
+        run("host", "host", "host")  # (the first batch of a context can part from later ones at a near-tie)
+        device = run("device", "device", "device")
+        assert len(picks) == 3 * 32
+        host = run("host", "host", "host")
+        assert len(picks) == 3 * 32
+        assert [c.tokens for c in device] == [c.tokens for c in host]
+        assert [c.stats.sfi.slow_steps for c in device] == [c.stats.sfi.slow_steps for c in host]
+        assert sum(c.stats.sfi.n_slow for c in device) >= 6 and len({tuple(c.tokens) for c in device}) == 3
+
+        mixed = run("device", "host", "sampled")
+        assert len(picks) == 4 * 32
+        assert [c.tokens for c in mixed[:2]] == [c.tokens for c in device[:2]]
+        assert mixed[2].tokens == run("host", "host", "sampled")[2].tokens
+    finally:
+        llm.close()
 
 
 @pytest.fixture(scope="module")

@@ -293,18 +293,19 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
 
 class ForcedTokens:
     """A sampler for the batched loop that feeds a fixed continuation (teacher forcing); it still takes
-    the greedy argmax a real decode takes, which waits for the step."""
+    the greedy pick a real decode takes (in the graph, as for a greedy request), which waits for the step."""
 
     seed = 0
     n_logprobs = None
     logprobs = None
+    reads_logits = False
 
     def __init__(self, tokens: Sequence[int]):
         self.tokens = list(tokens)
         self.i = 0
 
     def sample(self, ctx) -> int:
-        int(np.argmax(ctx.last_logits()))
+        ctx.greedy_token()
         token = self.tokens[min(self.i, len(self.tokens) - 1)]
         self.i += 1
         return int(token)
