@@ -289,8 +289,9 @@ class LlamaContext:
 
     def set_device_greedy(self, on: bool) -> bool:
         """Greedy picks made in the decode's graph from the next decode on (`greedy_token`, `greedy_probability`;
-        `last_logits` is then refused), or no longer. Only a context of one sequence that owns its llama_context
-        has it, and only where the output's device runs its ops: returns whether it is on."""
+        `last_logits` is then refused), or no longer, for this sequence. A context that owns its llama_context and
+        its sequence handles have it (not a borrowed one), where the output's device runs its ops: returns whether
+        it is on."""
         if not self.ctx:
             if not on:  # (a generation's end after the context was closed)
                 return False
