@@ -65,6 +65,7 @@ class LlamaContext:
     # greedy picks in the graph (set_device_greedy), per sequence: a context that owns its llama_context and its
     # sequence handles have them; borrowed contexts keep these defaults
     _device_greedy: DeviceGreedy | None = None
+    _all_device_greedy: Sequence[DeviceGreedy] = ()
     _greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
     _sampled_on_device = False  # the last decode did
 
@@ -133,6 +134,7 @@ class LlamaContext:
         self.ctx = ctx
         self.n_seq_max = n_seq_max
         self._device_greedy = DeviceGreedy(ctx, 0)  # (sequence 0's: backend samplers are per sequence)
+        self._all_device_greedy = [self._device_greedy]  # ... and its handles': detached before the context is freed
         # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
@@ -205,6 +207,7 @@ class LlamaContext:
         handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         handle._device_greedy = DeviceGreedy(self.ctx, seq)
+        self._all_device_greedy.append(handle._device_greedy)
         handle._greedy_on_device = handle._sampled_on_device = False
         return handle
 
@@ -218,12 +221,12 @@ class LlamaContext:
             self._batch = None
         if not self._owner:
             if self.ctx and self._device_greedy is not None:
-                self._device_greedy.detach()  # (the owner's llama_context outlives the handle)
+                self._device_greedy.detach()  # (a no-op once the owner closed: it detached them all)
             self.ctx = self.model = None
             return
         if self.ctx:
-            if self._device_greedy is not None:
-                self._device_greedy.detach()
+            for device_greedy in self._all_device_greedy:
+                device_greedy.detach()
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
         if self.model:
