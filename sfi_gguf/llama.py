@@ -308,7 +308,8 @@ class SFILlama:
 
         Up to `n_parallel` (see the constructor) sequences decode in the same llama_decode calls, each
         with its own SFI state (sampling seed: `seed + i` for prompt i when a seed is given); more
-        prompts wait for a free sequence. Every prompt is prefilled anew (no prefix reuse).
+        prompts wait for a free sequence. A prompt reuses the longest prefix its sequence already holds, as
+        `generate` does (`reset()` before: every prompt prefilled from scratch).
         """
         if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, (int, dict)) for p in prompts):
             raise ValueError("prompts must be a non-empty list of prompts (strings, lists of chat messages or "
