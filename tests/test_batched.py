@@ -99,6 +99,14 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
     assert first.tokens == again.tokens
 
 
+def test_reset_clears_every_sequence(llm, prompts):
+    _batch(llm, prompts[:3], False, n=4)
+    assert [c.stats.n_prompt_decoded for c in _batch(llm, prompts[:3], False, n=4)] == [1, 1, 1]  # (prefixes reused)
+    llm.reset()
+    again = _batch(llm, prompts[:3], False, n=4)
+    assert [c.stats.n_prompt_decoded for c in again] == [len(p) for p in prompts[:3]]
+
+
 def test_gpu_defaults(llm):
     """With offloaded layers a batch uses SFI from 32K cells per sequence unless min_context is set
     (BENCHMARKS.md: on the H200 batched SFI with staggered refreshes measured 0.81x-0.89x dense at 16K, 1.19x at 32K), a single
