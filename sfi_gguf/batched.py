@@ -137,8 +137,8 @@ class BatchedDecoder:
                 slot.ctx.sync()
 
     def clear(self) -> None:
-        """Forget every slot's cache, as a fresh context holds none (a slot's own clear leaves the cache's cells
-        where they were, and a prompt prefilled again then lands on other cells)."""
+        """Forget every slot's cache: the next prompts are prefilled from scratch (a slot's own `clear` is its
+        sequence's alone)."""
         llama_cpp.llama_memory_clear(self.base.memory, True)
         for slot in self.slots:
             slot.ctx.tokens.clear()
