@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from ._native import llama_cpp
 from .context import ContextError, LlamaContext, decode_one_per_sequence
-from .generate import Completion, Ending, GenerationStats, start_generation
+from .generate import Completion, Ending, GenerationStats, picks_in_graph, start_generation
 from .native import SFINative
 from .sampling import Sampler
 
@@ -117,9 +117,9 @@ class BatchedDecoder:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
         slot.request = request
         slot.stepper = self.make_stepper(slot.ctx, request.config)
-        # a plain greedy pick that nothing else reads the logits for is made in the decode's graph (a slot keeps its
-        # sampler between requests of one kind: attaching or detaching one makes llama.cpp reserve its graphs again)
-        slot.ctx.set_device_greedy(not request.sampler.reads_logits and request.stopping_criteria is None)
+        # (a slot keeps its sampler between requests of one kind: attaching or detaching one makes llama.cpp reserve
+        # its graphs again)
+        slot.ctx.set_device_greedy(picks_in_graph(request.sampler, request.stopping_criteria))
         start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
         slot.ending = Ending(request.stop, request.max_tokens, request.ignore_eos, request.stats, request.out_tokens,
                              request.cancel, request.keep_special, request.stopping_criteria)

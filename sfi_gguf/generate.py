@@ -183,6 +183,12 @@ class Ending:
         return self.text.close() if self.reason == "length" else ""
 
 
+def picks_in_graph(sampler: Sampler, stopping_criteria) -> bool:
+    """Whether a generation's picks are made in the decode's graph (`LlamaContext.set_device_greedy`): a plain greedy
+    pick that nothing else reads the logits for (a stopping criterion is given them)."""
+    return not sampler.reads_logits and stopping_criteria is None
+
+
 def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, stats: GenerationStats,
                      progress: bool = False) -> None:
     """The stepper's prefill of the prompt, recorded in `stats` with the sampler's seed."""
@@ -203,8 +209,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
 
     `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
     """
-    # a plain greedy pick that nothing else reads the logits for is made in the decode's graph
-    ctx.set_device_greedy(not sampler.reads_logits and stopping_criteria is None)
+    ctx.set_device_greedy(picks_in_graph(sampler, stopping_criteria))
     try:
         start_generation(stepper, prompt_tokens, sampler, stats, progress)
     except BaseException:
