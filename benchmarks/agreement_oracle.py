@@ -9,8 +9,11 @@ top-k of the attention it is about to compute ("oracle"). Variants: oracle top-k
 budgets, the SFI Selector on the current export (what refreshing every step would give), and on
 the previous step's export (lag 1: the fastest cadence a real slow step can serve). The cache keeps
 the dense KV of every token (the step is re-decoded densely), so every variant sees the dense history.
+A lag of L uses the selection made L steps earlier: what a refresh every L + 1 steps serves at its last
+fast step, without the fast steps' own KV.
 
     python3 benchmarks/agreement_oracle.py --n-ctx 4096 --prompt-tokens 3700 --steps 256 -t 2
+    python3 benchmarks/agreement_oracle.py --n-ctx 16384 --long-case 16384:1 -t 2 --variants sfi_default_k2048_lag0 ...
 """
 from __future__ import annotations
 
@@ -44,7 +47,18 @@ VARIANTS = {
     "sfi_selector_k512_lag1": ("sfi", 512, 1, PAPER),
     "topk_k512_lag1": ("topk_mass", 512, 1, {}),
     "sfi_default_k512_lag1": ("sfi", 512, 1, {}),  # the current defaults (soft-NMS off, pooling 17)
+    "oracle_topk_k4096": ("topk_mass", 4096, 0, {}),
 }
+# the selection at k_head 2048 as it ages (lag 0: fresh; 4, 16: as a cadence of that many steps ends)
+FAMILIES = {
+    "sfi_default": ("sfi", {}),
+    "sfi_no_prior": ("sfi", {"lambda_clip_single": 0.0, "lambda_clip_multi": 0.0}),
+    "topk_pool17": ("topk_mass", {"pool_window": 17}),
+    "topk": ("topk_mass", {}),
+}
+for _name, (_selector, _options) in FAMILIES.items():
+    for _lag in (0, 1, 4, 16):
+        VARIANTS[f"{_name}_k2048_lag{_lag}"] = (_selector, 2048, _lag, _options)
 
 
 def kl_top(logp: np.ndarray, logq: np.ndarray, top_n: int = 64) -> float:
@@ -64,6 +78,9 @@ def main() -> None:
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--seed", type=int, default=1, help="which natural text (1: the BENCHMARKS agreement text)")
+    ap.add_argument("--long-case", default=None, metavar="CONTEXT:INDEX",
+                    help="prompt: the long suite's answer-agreement case (document INDEX of CONTEXT tokens) "
+                         "instead of natural text; the steps follow dense's greedy answer")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
 
@@ -71,7 +88,13 @@ def main() -> None:
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_threads=args.threads,
                    sfi=SFIConfig(k_head=k_max, n_sink=args.n_sink, n_recent=args.n_recent, n_prefill_queries=1))
     ctx = llm.context
-    prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
+    if args.long_case:
+        from sfi_gguf.tools.evals import common, long_tasks
+        context, index = (int(x) for x in args.long_case.split(":"))
+        case = long_tasks.make_cases("agreement", llm, context, index + 1)[index]
+        prompt = common.prompt_tokens(llm, case)
+    else:
+        prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
     llm._stepper()  # creates the native SFI state with room for the largest budget
     native: SFINative = llm._sfi_native
     group = ctx.n_head // native.n_head_kv
@@ -82,7 +105,7 @@ def main() -> None:
     top1 = {v: [] for v in args.variants}
     kls = {v: [] for v in args.variants}
     fell_back = {v: 0 for v in args.variants}
-    previous: dict[str, np.ndarray] = {}
+    history: dict[str, list] = {v: [] for v in args.variants}  # each variant's selections, newest last
     t0 = time.perf_counter()
     token = int(np.argmax(ctx.last_logits()))
     for step in range(args.steps):
@@ -96,14 +119,17 @@ def main() -> None:
         export = AttentionExport(mass=mass, evidence=native.evidence(), key_norms=native.key_norms(),
                                  n_rows=native.n_query_rows() * group, alpha=native.params["evidence_alpha"],
                                  positions=positions[: mass.shape[2]])
-        current = {}
+        fresh = {}
         for v in args.variants:
             _, k_head, lag, _ = VARIANTS[v]
             candidates = CandidateRange.for_context(p, args.n_sink, args.n_recent)
-            current[v] = selectors[v].select(export, candidates, k_head)
-            selected = current[v] if lag == 0 else previous.get(v)
-            if selected is None:
-                continue                          # lag 1 has nothing to use at the first step
+            key = (VARIANTS[v][0], k_head, tuple(sorted(VARIANTS[v][3].items())))
+            if key not in fresh:                  # variants differing only in lag share the step's selection
+                fresh[key] = selectors[v].select(export, candidates, k_head)
+            history[v] = (history[v] + [fresh[key]])[-(lag + 1):]
+            if len(history[v]) <= lag:
+                continue                          # a lag of L has nothing to use in the first L steps
+            selected = history[v][0]
             ctx.truncate(p)                       # drop the dense cell of this token (invalidates the view)
             sink, recent = CandidateRange.for_context(p, args.n_sink, args.n_recent).sink_and_recent_cells(
                 native.cell_pos())
@@ -114,11 +140,13 @@ def main() -> None:
             logq = log_softmax(ctx.last_logits())
             top1[v].append(int(np.argmax(logq)) == dense_arg)
             kls[v].append(kl_top(logp, logq))
-        previous = current
         ctx.truncate(p)                           # back to the dense history
         native.set_mode(SFINative.DENSE)
         ctx.decode_one(token)
         token = dense_arg
+        if ctx.is_eog(token):
+            print(f"dense's answer ended after {step + 1} steps", flush=True)
+            break
         if (step + 1) % 32 == 0:
             print(f"step {step + 1}: " + "  ".join(f"{v} {np.mean(top1[v]):.3f}" for v in args.variants),
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)

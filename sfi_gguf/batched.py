@@ -115,8 +115,13 @@ class BatchedDecoder:
             raise RuntimeError("no free slot")
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
+        stepper = self.make_stepper(slot.ctx, request.config)
+        if getattr(getattr(stepper, "config", None), "redecode_tail", False):
+            raise ValueError("SFIConfig.redecode_tail re-decodes a sequence's recent tokens at its slow steps, which a "
+                             "batched step (one token per sequence) does not hold: decode such requests alone "
+                             "(n_parallel=1)")
         slot.request = request
-        slot.stepper = self.make_stepper(slot.ctx, request.config)
+        slot.stepper = stepper
         # (a slot keeps its sampler between requests of one kind: attaching or detaching one makes llama.cpp reserve
         # its graphs again)
         slot.ctx.set_device_greedy(picks_in_graph(request.sampler, request.stopping_criteria))

@@ -73,6 +73,14 @@ class SFIConfig:
     16 took the H200 from 1.87x to 2.14x at 128K, but the stale memory in between costs quality
     (teacher-forced agreement at 4K, k_head 512: 0.953 -> 0.695), so it is off by default."""
 
+    redecode_tail: bool = False
+    """A slow step first decodes again, with the whole cache, the tokens that fast steps wrote since the
+    last refresh (one batch with its own token), so that their keys and values are dense ones: a fast
+    step's KV comes from attention over the sparse memory, and later steps, slow ones included, keep
+    reading it. Teacher-forced agreement with dense at 16K (the long suite's answer, k_head 2048) rose
+    from 0.930 to 0.949 with it (BENCHMARKS.md, "The fast steps' KV"); the slow step decodes ~16 tokens
+    instead of one. Single-sequence decoding only (a batched step holds one token per sequence)."""
+
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""
 
@@ -134,6 +142,7 @@ class SFIConfig:
         need(self.n_candidates is None or (is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
              "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
         need(self.device_selector in (None, True, False), "device_selector", "must be None, True or False")
+        need(type(self.redecode_tail) is bool, "redecode_tail", "must be True or False")
         need(isinstance(self.policy, str) and self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
         need(isinstance(self.selector, str) and self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
         need(type(self.policy_params) is POLICIES[self.policy].Params, "policy_params",

@@ -148,8 +148,18 @@ class SFIStepper:
     def step(self, token: int) -> None:
         kind = self.plan(token)
         t0 = time.perf_counter()
-        self.ctx.decode_one(token)
+        if kind == "slow" and self.config.redecode_tail and self._tail:
+            self._decode_with_tail(token)
+        else:
+            self.ctx.decode_one(token)
         self.finish(kind, time.perf_counter() - t0)
+
+    def _decode_with_tail(self, token: int) -> None:
+        """The slow step of `redecode_tail`: the fast steps' tokens since the last refresh are decoded again
+        with `token`, densely (the mode is SLOW), so that their cells hold dense KV."""
+        tokens = self.ctx.tokens + [token]
+        self.ctx.truncate(len(tokens) - 1 - min(self._tail, len(tokens) - 1))
+        self.ctx.prefill(tokens)
 
     def plan(self, token: int) -> str:
         """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), mode set.

@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--task", action="append", choices=list(TASKS), help="only this task (repeatable)")
     p.add_argument("--policy", nargs="+", choices=list(ALL_POLICIES), default=None,
                    help="policies to run (default: the suite's); paper: the punctuation trigger without its "
-                        "confidence rule; fixed16: a slow step every 16")
+                        "confidence rule; fixed16: a slow step every 16; redecode: the default trigger with "
+                        "SFIConfig.redecode_tail")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")

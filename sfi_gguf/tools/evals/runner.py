@@ -34,9 +34,10 @@ POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
 VARIANTS = {
     "paper": ("punctuation", {"confidence_floor": 0.0}),  # sentence starts + T_max + warm-up, no confidence rule
     "fixed16": ("fixed", {"fixed_period": 16}),
+    "redecode": ("punctuation", {"redecode_tail": True}),  # the default trigger, slow steps re-decode the tail
 }
 #: every name a run may ask for, in table order
-ALL_POLICIES = ("dense", "punctuation", "paper", "fixed", "fixed16", "static", "sink_recent")
+ALL_POLICIES = ("dense", "punctuation", "redecode", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
