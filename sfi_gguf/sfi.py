@@ -156,10 +156,14 @@ class SFIStepper:
 
     def _decode_with_tail(self, token: int) -> None:
         """The slow step of `redecode_tail`: the fast steps' tokens since the last refresh are decoded again
-        with `token`, densely (the mode is SLOW), so that their cells hold dense KV."""
-        tokens = self.ctx.tokens + [token]
-        self.ctx.truncate(len(tokens) - 1 - min(self._tail, len(tokens) - 1))
+        densely, so that their cells hold dense KV; then `token` alone as the slow step (its export and
+        selection come from its own query, as without the option)."""
+        tokens = list(self.ctx.tokens)
+        self.ctx.truncate(len(tokens) - min(self._tail, len(tokens) - 1))
+        self.native.set_mode(SFINative.DENSE)
         self.ctx.prefill(tokens)
+        self.native.set_mode(SFINative.SLOW)
+        self.ctx.decode_one(token)
 
     def plan(self, token: int) -> str:
         """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), mode set.
