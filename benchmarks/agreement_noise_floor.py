@@ -23,8 +23,8 @@ sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.tools.agreement import DenseReference, agreement_with, dense_reference  # noqa: E402
-from sfi_gguf.tools.evals import answer_agreement, common, long_tasks  # noqa: E402
+from sfi_gguf.tools.agreement import agreement_with  # noqa: E402
+from sfi_gguf.tools.evals import answer_agreement  # noqa: E402
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 
 
@@ -40,12 +40,10 @@ def main() -> None:
     context, index = (int(x) for x in args.long_case.split(":"))
     dense = SFIConfig(policy="dense")
     reference_llm = SFILlama(args.model, n_ctx=context, n_threads=args.threads, flash_attn=True, sfi=dense)
-    case = long_tasks.make_cases(answer_agreement.TASK, reference_llm, context, index + 1)[index]
-    tokens = common.prompt_tokens(reference_llm, case)
+    case, tokens = answer_agreement.case_and_prompt(reference_llm, context, index)
     t0 = time.perf_counter()
-    ref = dense_reference(reference_llm, tokens, case.max_tokens)
-    n = next((i + 1 for i, t in enumerate(ref.tokens) if reference_llm.context.is_eog(t)), ref.n_steps)
-    ref = DenseReference(tokens=ref.tokens[:n], top=ref.top[:n], logp=ref.logp[:n], argmax=ref.argmax[:n])
+    ref = answer_agreement.dense_answer(reference_llm, tokens, case.max_tokens)
+    n = ref.n_steps
     reference_llm.close()
     t1 = time.perf_counter()
     other = SFILlama(args.model, n_ctx=context, n_threads=args.threads, flash_attn=False, sfi=dense)

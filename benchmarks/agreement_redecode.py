@@ -20,8 +20,8 @@ sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.tools.agreement import DenseReference, agreement_with, dense_reference  # noqa: E402
-from sfi_gguf.tools.evals import answer_agreement, common, long_tasks  # noqa: E402
+from sfi_gguf.tools.agreement import agreement_with  # noqa: E402
+from sfi_gguf.tools.evals import answer_agreement  # noqa: E402
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 
 
@@ -36,11 +36,9 @@ def main() -> None:
 
     context, index = (int(x) for x in args.long_case.split(":"))
     llm = SFILlama(args.model, n_ctx=context, n_threads=args.threads)
-    case = long_tasks.make_cases(answer_agreement.TASK, llm, context, index + 1)[index]
-    tokens = common.prompt_tokens(llm, case)
-    ref = dense_reference(llm, tokens, case.max_tokens)
-    n = next((i + 1 for i, t in enumerate(ref.tokens) if llm.context.is_eog(t)), ref.n_steps)
-    ref = DenseReference(tokens=ref.tokens[:n], top=ref.top[:n], logp=ref.logp[:n], argmax=ref.argmax[:n])
+    case, tokens = answer_agreement.case_and_prompt(llm, context, index)
+    ref = answer_agreement.dense_answer(llm, tokens, case.max_tokens)
+    n = ref.n_steps
     rows = []
     for k_head in args.k_head:
         for redecode in (False, True):

@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..agreement import DenseReference, agreement_with, dense_reference
-from . import longdoc
+from . import common, longdoc
 from .common import Case
 
 TASK = "agreement"
@@ -39,21 +39,30 @@ def first_divergence(top1: np.ndarray) -> int:
     return int(misses[0]) if misses.size else len(top1)
 
 
-def _until_end(llm, tokens: list[int]) -> int:
-    """Steps of dense's answer up to and including its end-of-generation token."""
-    for i, token in enumerate(tokens):
-        if llm.context.is_eog(token):
-            return i + 1
-    return len(tokens)
+def case_and_prompt(llm, context: int, index: int) -> tuple[Case, list[int]]:
+    """The case on shared document `index` of `context` tokens and its prompt tokens (for scripts that study one
+    case outside the suite)."""
+    from . import long_tasks  # (it imports this module)
+
+    case = long_tasks.make_cases(TASK, llm, context, index + 1)[index]
+    return case, common.prompt_tokens(llm, case)
+
+
+def dense_answer(llm, tokens: list[int], max_tokens: int) -> DenseReference:
+    """Dense's greedy answer to the prompt `tokens` (at most `max_tokens`), up to and including its
+    end-of-generation token: an answer that ended early is compared up to its end only."""
+    ref = dense_reference(llm, tokens, max_tokens)
+    n = next((i + 1 for i, token in enumerate(ref.tokens) if llm.context.is_eog(token)), ref.n_steps)
+    if n == ref.n_steps:
+        return ref
+    return DenseReference(tokens=ref.tokens[:n], top=ref.top[:n], logp=ref.logp[:n], argmax=ref.argmax[:n])
 
 
 def run_case(llm, case: Case, tokens: list[int], configs: dict) -> dict[str, dict]:
     """One record per policy; dense's greedy answer is decoded once and shared by all of them."""
     t0 = time.perf_counter()
-    ref = dense_reference(llm, tokens, case.max_tokens)
-    n = _until_end(llm, ref.tokens)
-    if n < ref.n_steps:  # an answer that ended early: compare up to its end only
-        ref = DenseReference(tokens=ref.tokens[:n], top=ref.top[:n], logp=ref.logp[:n], argmax=ref.argmax[:n])
+    ref = dense_answer(llm, tokens, case.max_tokens)
+    n = ref.n_steps
     out = {}
     for label, config in configs.items():
         t1 = time.perf_counter()
