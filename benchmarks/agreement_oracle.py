@@ -89,9 +89,9 @@ def main() -> None:
                    sfi=SFIConfig(k_head=k_max, n_sink=args.n_sink, n_recent=args.n_recent, n_prefill_queries=1))
     ctx = llm.context
     if args.long_case:
-        from sfi_gguf.tools.evals import answer_agreement
+        from sfi_gguf.tools.evals import answer_agreement, long_tasks
         context, index = (int(x) for x in args.long_case.split(":"))
-        _, prompt = answer_agreement.case_and_prompt(llm, context, index)
+        _, prompt = long_tasks.case_and_prompt(llm, answer_agreement.TASK, context, index)
     else:
         prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
     llm._stepper()  # creates the native SFI state with room for the largest budget

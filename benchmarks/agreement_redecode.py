@@ -21,7 +21,7 @@ sys.path.insert(0, str(REPO))
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.config import SFIConfig  # noqa: E402
 from sfi_gguf.tools.agreement import agreement_with  # noqa: E402
-from sfi_gguf.tools.evals import answer_agreement  # noqa: E402
+from sfi_gguf.tools.evals import answer_agreement, long_tasks  # noqa: E402
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 
 
@@ -36,7 +36,7 @@ def main() -> None:
 
     context, index = (int(x) for x in args.long_case.split(":"))
     llm = SFILlama(args.model, n_ctx=context, n_threads=args.threads)
-    case, tokens = answer_agreement.case_and_prompt(llm, context, index)
+    case, tokens = long_tasks.case_and_prompt(llm, answer_agreement.TASK, context, index)
     ref = answer_agreement.dense_answer(llm, tokens, case.max_tokens)
     n = ref.n_steps
     rows = []

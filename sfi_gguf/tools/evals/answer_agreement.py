@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from ..agreement import DenseReference, agreement_with, dense_reference
-from . import common, longdoc
+from . import longdoc
 from .common import Case
 
 TASK = "agreement"
@@ -37,15 +37,6 @@ def first_divergence(top1: np.ndarray) -> int:
     """Index of the first step whose argmax differs from dense's (the length if none does)."""
     misses = np.flatnonzero(~np.asarray(top1, dtype=bool))
     return int(misses[0]) if misses.size else len(top1)
-
-
-def case_and_prompt(llm, context: int, index: int) -> tuple[Case, list[int]]:
-    """The case on shared document `index` of `context` tokens and its prompt tokens (for scripts that study one
-    case outside the suite)."""
-    from . import long_tasks  # (it imports this module)
-
-    case = long_tasks.make_cases(TASK, llm, context, index + 1)[index]
-    return case, common.prompt_tokens(llm, case)
 
 
 def dense_answer(llm, tokens: list[int], max_tokens: int) -> DenseReference:
