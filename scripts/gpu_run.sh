@@ -9,7 +9,7 @@
 #   SFI_PROFILE_GROUPS, SFI_PROFILE_TOP, SFI_PROFILE_BATCH: sequences per step, e.g. 16 with SFI_CYCLE_CTX=32768),
 #   bench (SFI_BENCH_DEPTHS, SFI_BENCH_SHAPES: qwen3-4b qwen3-0.6b ..., SFI_BENCH_WEIGHTS: f16 q4_k_m ..., SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
-#   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV),
+#   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV cells, SFI_PERF_STREAMS streams, e.g. "1 4"),
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),
 #   selector-tests (the device Selector against numpy), greedy-tests (greedy picks in the graph against the host's), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
@@ -66,8 +66,10 @@ if [[ " $stages " == *" op-tests "* ]]; then
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider tests/test_sfi_ops.py -k every_backend -s \
         2>&1 | tee "$OUT/gpu-op-tests.log" | grep -v "^ok " | tail -8
     log "the SFI ops timed at a slow step's shape"
-    "$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" perf ${SFI_PERF_NKV:-32768 131328} \
-        2>&1 | tee -a "$OUT/gpu-op-perf.txt"
+    for ns in ${SFI_PERF_STREAMS:-1}; do
+        "$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" perf -s $ns ${SFI_PERF_NKV:-32768 131328} \
+            2>&1 | tee -a "$OUT/gpu-op-perf.txt"
+    done
 fi
 if [[ " $stages " == *" trace "* ]]; then
     log "kernel trace of refresh cycles (CUPTI: benchmarks/cupti_trace.c, cupti_steps.py; Qwen3-4B shape, F16)"

@@ -12,40 +12,8 @@
 #include "llama-model.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <thread>
-
-// fn(0) .. fn(n - 1) on up to 8 threads (the caller's one of them): the host's part of a batched refresh is per
-// stream, and the GPU host has cores idle while its graph computes
-static void llama_sfi_parallel_for(int64_t n, const std::function<void(int64_t)> & fn) {
-    const int64_t n_threads = std::min<int64_t>({ n, 8, std::max<int64_t>(1, std::thread::hardware_concurrency()) });
-    if (n_threads <= 1) {
-        for (int64_t i = 0; i < n; ++i) {
-            fn(i);
-        }
-        return;
-    }
-
-    std::atomic<int64_t> next { 0 };
-    auto work = [&] {
-        for (int64_t i = next++; i < n; i = next++) {
-            fn(i);
-        }
-    };
-
-    std::vector<std::thread> threads;
-    threads.reserve(n_threads - 1);
-    for (int64_t t = 1; t < n_threads; ++t) {
-        threads.emplace_back(work);
-    }
-    work();
-    for (auto & t : threads) {
-        t.join();
-    }
-}
 
 void llama_sfi_export::reset() {
     valid    = false;

@@ -227,9 +227,17 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
         float * mask = (float *) inp.sel_mask->data;
         float * u    = (float *) inp.sel_u->data;
 
-        for (int64_t j = 0; j < ns; ++j) {
+        const bool    has_shared = inp.shared && inp.shared->buffer;
+        const int64_t n_shared   = has_shared ? inp.shared->ne[0] : 0;
+        const int64_t n_rep      = has_shared ? inp.shared->ne[1] : 0;
+
+        // per slow stream, its rows of the shared cells (copied below: the tensor may live on a device)
+        std::vector<std::vector<int32_t>> shared_rows(ns);
+
+        // the streams' cells apart: a batched refresh fills them in parallel
+        llama_sfi_parallel_for(ns, [&](int64_t j) {
             if (plan->steps[j] != LLAMA_SFI_STEP_SLOW) {
-                continue; // (a MIXED ubatch's other streams: no run reads their rows)
+                return; // (a MIXED ubatch's other streams: no run reads their rows)
             }
 
             const llama_seq_id seq = ub.seq_id[j*n_tps][0];
@@ -255,22 +263,26 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
             }
             view.streams[view.stream_of(seq)].n_in_range = n_in_range;
 
-            if (inp.shared && inp.shared->buffer) {
-                const int64_t n_shared = inp.shared->ne[0];
-                const int64_t n_rep    = inp.shared->ne[1];
-
+            if (has_shared) {
                 // at most n_sink + n_recent cells unless positions repeat (the step's gather is then not used, see
                 // llama_sfi_context::extract_selection); the rest repeats the last one, into slots past the selection
                 std::vector<int32_t> shared = llama_sfi_cells_outside(cells, seq, range);
                 shared.resize(n_shared, shared.empty() ? 0 : shared.back());
 
-                // the stream's n_rep rows in one copy (the tensor may live on a device: one transfer, not n_rep)
-                std::vector<int32_t> rows(n_rep*n_shared);
+                auto & rows = shared_rows[j];
+                rows.resize(n_rep*n_shared);
                 for (int64_t r = 0; r < n_rep; ++r) {
                     std::copy(shared.begin(), shared.end(), rows.begin() + r*n_shared);
                 }
+            }
+        });
+
+        // each stream's n_rep rows in one copy (one transfer, not n_rep)
+        for (int64_t j = 0; j < ns; ++j) {
+            if (!shared_rows[j].empty()) {
                 GGML_ASSERT(inp.shared->nb[1] == n_shared*sizeof(int32_t));
-                ggml_backend_tensor_set(inp.shared, rows.data(), j*n_rep*inp.shared->nb[1], rows.size()*sizeof(int32_t));
+                ggml_backend_tensor_set(inp.shared, shared_rows[j].data(), j*n_rep*inp.shared->nb[1],
+                        shared_rows[j].size()*sizeof(int32_t));
             }
         }
     }

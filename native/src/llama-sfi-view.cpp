@@ -7,9 +7,11 @@
 #include "llama-kv-cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <map>
 #include <stdexcept>
+#include <thread>
 
 //
 // llama_sfi_view
@@ -655,4 +657,31 @@ void llama_sfi_view::store_selection(stream & st, const int32_t * cells, int32_t
     st.gather_pending = !gathered;
     st.sel_pending    = false;
     st.tail.clear();
+}
+
+void llama_sfi_parallel_for(int64_t n, const std::function<void(int64_t)> & fn) {
+    const int64_t n_threads = std::min<int64_t>({ n, 8, std::max<int64_t>(1, std::thread::hardware_concurrency()) });
+    if (n_threads <= 1) {
+        for (int64_t i = 0; i < n; ++i) {
+            fn(i);
+        }
+        return;
+    }
+
+    std::atomic<int64_t> next { 0 };
+    auto work = [&] {
+        for (int64_t i = next++; i < n; i = next++) {
+            fn(i);
+        }
+    };
+
+    std::vector<std::thread> threads;
+    threads.reserve(n_threads - 1);
+    for (int64_t t = 1; t < n_threads; ++t) {
+        threads.emplace_back(work);
+    }
+    work();
+    for (auto & t : threads) {
+        t.join();
+    }
 }

@@ -10,6 +10,7 @@
 #include "ggml-cpp.h"
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <unordered_map>
@@ -269,3 +270,7 @@ std::vector<uint8_t> llama_sfi_cells_holding(const llama_kv_cells & cells, llama
 // the cells of seq outside the Selector's range, in cell order: the sink (below it), then the recent ones (past it);
 // the cells every row of a selection the device Selector makes shares (llama_sfi_seq_load_selection)
 std::vector<int32_t> llama_sfi_cells_outside(const llama_kv_cells & cells, llama_seq_id seq, std::pair<llama_pos, llama_pos> range);
+
+// fn(0) .. fn(n - 1) on up to 8 threads (the caller's one of them): the host's part of a batched refresh is per
+// stream, and the GPU host has cores idle while its graph computes
+void llama_sfi_parallel_for(int64_t n, const std::function<void(int64_t)> & fn);

@@ -5,8 +5,9 @@
 // the norms of the keys' values; ggml_sfi_top_k's
 // indices must equal those of a sort by value and index exactly.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
-// sfi-test-ops perf [n_kv ...] times the op instead, on each backend but the CPU, at a slow step's shape (a Qwen3-4B
-// cache: 36 layers, 8 KV heads of 128, 4 query heads each, F16 keys in the cache's layout)
+// sfi-test-ops perf [-s streams] [n_kv ...] times the op instead, on each backend but the CPU, at a slow step's shape (a
+// Qwen3-4B cache: 36 layers, 8 KV heads of 128, 4 query heads each, F16 keys in the cache's layout); with -s, the
+// attention of a batched slow step of that many streams (one KV stream per sequence)
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -266,22 +267,24 @@ static void perf(ggml_backend_t backend, int64_t n_kv) {
     ggml_free(ctx);
 }
 
-// a slow step's attention of 36 layers (Qwen3-4B's shape: 32 query heads of 128, 8 KV heads, one token), each layer
-// its own F16 K and V of n_kv cells: flash attention alone, flash attention then ggml_sfi_evidence, and
-// ggml_sfi_flash_attn_evidence, which does both from one read of the keys
-static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
-    const int64_t D = 128, n_head = 32, n_head_kv = 8, n_layers = 36;
+// a slow step's attention (Qwen3-4B's shape: 32 query heads of 128, 8 KV heads, one token per stream), each layer its
+// own F16 K and V of ns streams of n_kv cells: flash attention alone, flash attention then ggml_sfi_evidence, and
+// ggml_sfi_flash_attn_evidence, which does both from one read of the keys. 36/ns layers (at least one) keep the bytes
+// read about those of 36 layers of one stream; times are printed per 36 layers
+static void perf_attention(ggml_backend_t backend, int64_t n_kv, int64_t ns) {
+    const int64_t D = 128, n_head = 32, n_head_kv = 8, n_layers = std::max<int64_t>(1, 36/ns);
     const float   scale = 1.0f/std::sqrt((float) D);
+    const double  per36 = 36.0/n_layers;
 
     ggml_init_params ip = { ggml_tensor_overhead()*(16*n_layers + 16) + 3*ggml_graph_overhead(), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
 
-    ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, 1);
+    ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, ns);
     std::vector<ggml_tensor *> qs, ks, vs;
     for (int64_t l = 0; l < n_layers; ++l) {
-        qs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, 1, n_head, 1));
-        ks.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, 1));
-        vs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, 1));
+        qs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, 1, n_head, ns));
+        ks.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, ns));
+        vs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F16, D, n_kv, n_head_kv, ns));
     }
     ggml_cgraph * g_fa  = ggml_new_graph(ctx);
     ggml_cgraph * g_ev  = ggml_new_graph(ctx);
@@ -290,7 +293,7 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
     for (int64_t l = 0; l < n_layers; ++l) {
         ggml_tensor * fa = ggml_flash_attn_ext(ctx, qs[l], ks[l], vs[l], mask, scale, 0.0f, 0.0f);
         ggml_prec_set_acc(fa, GGML_PREC_F32);
-        ggml_tensor * qe = ggml_scale(ctx, ggml_reshape_4d(ctx, qs[l], D, n_head/n_head_kv, n_head_kv, 1), scale);
+        ggml_tensor * qe = ggml_scale(ctx, ggml_reshape_4d(ctx, qs[l], D, n_head/n_head_kv, n_head_kv, ns), scale);
         ggml_tensor * ev = ggml_sfi_evidence(ctx, qe, ks[l], mask, 1, 0.5f, 0.0f, true);
         ggml_tensor * fae = ggml_sfi_flash_attn_evidence(ctx, qs[l], ks[l], vs[l], mask, scale, 0.0f, 0.5f, true);
         supported = supported && ggml_backend_supports_op(backend, fa) && ggml_backend_supports_op(backend, ev) &&
@@ -302,13 +305,14 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
     }
     ggml_backend_buffer_t buf = supported ? ggml_backend_alloc_ctx_tensors(ctx, backend) : nullptr;
     if (!buf) {
-        printf("perf: %s cannot time the attention at n_kv = %lld\n", ggml_backend_name(backend), (long long) n_kv);
+        printf("perf: %s cannot time the attention of %lld streams at n_kv = %lld\n", ggml_backend_name(backend),
+                (long long) ns, (long long) n_kv);
         ggml_free(ctx);
         return;
     }
     std::mt19937 rng(8);
     std::normal_distribution<float> normal(0.0f, 1.0f);
-    std::vector<float> qv(D*n_head);
+    std::vector<float> qv(D*n_head*ns);
     for (ggml_tensor * q : qs) {
         for (float & v : qv) {
             v = normal(rng);
@@ -321,13 +325,13 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv) {
     }
     ggml_backend_tensor_memset(mask, 0, 0, ggml_nbytes(mask));
 
-    const double ms_fa  = time_graph(backend, g_fa,  10);
-    const double ms_ev  = time_graph(backend, g_ev,  10);
-    const double ms_fae = time_graph(backend, g_fae, 10);
-    const double gb = 2.0*n_layers*ggml_nbytes(ks[0])/1e9;
-    printf("perf %s: attention of %lld layers over n_kv %lld: flash attention %.3f ms (K+V at %.0f GB/s), + sfi_evidence %.3f ms, "
-           "sfi_flash_attn_evidence %.3f ms (K+V at %.0f GB/s)\n", ggml_backend_name(backend), (long long) n_layers,
-           (long long) n_kv, ms_fa, gb/ms_fa*1e3, ms_ev, ms_fae, gb/ms_fae*1e3);
+    const double ms_fa  = time_graph(backend, g_fa,  10)*per36;
+    const double ms_ev  = time_graph(backend, g_ev,  10)*per36;
+    const double ms_fae = time_graph(backend, g_fae, 10)*per36;
+    const double gb = 2.0*36*ggml_nbytes(ks[0])/1e9;
+    printf("perf %s: attention of 36 layers x %lld streams over n_kv %lld: flash attention %.3f ms (K+V at %.0f GB/s), "
+           "+ sfi_evidence %.3f ms, sfi_flash_attn_evidence %.3f ms (K+V at %.0f GB/s)\n", ggml_backend_name(backend),
+           (long long) ns, (long long) n_kv, ms_fa, gb/ms_fa*1e3, ms_ev, ms_fae, gb/ms_fae*1e3);
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
 }
@@ -1063,7 +1067,12 @@ int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
         std::vector<int64_t> n_kvs;
+        int64_t ns = 1;
         for (int i = 2; i < argc; ++i) {
+            if (strcmp(argv[i], "-s") == 0 && i + 1 < argc) {
+                ns = std::max(1LL, atoll(argv[++i]));
+                continue;
+            }
             n_kvs.push_back(atoll(argv[i]));
         }
         if (n_kvs.empty()) {
@@ -1076,8 +1085,10 @@ int main(int argc, char ** argv) {
             }
             if (ggml_backend_t b = ggml_backend_dev_init(dev, nullptr)) {
                 for (int64_t n_kv : n_kvs) {
-                    perf(b, n_kv);
-                    perf_attention(b, n_kv);
+                    if (ns == 1) {
+                        perf(b, n_kv);
+                    }
+                    perf_attention(b, n_kv, ns);
                 }
                 ggml_backend_free(b);
             }
