@@ -1370,6 +1370,17 @@ bool ggml_cuda_sfi_flash_attn_evidence_supported(const ggml_tensor * op) {
     return (k->ne[1] + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK <= 65535 && q->ne[3] <= 65535;
 }
 
+// the blocks of sfi_fae_partial<D, NQ> an SM holds at once (its registers decide: 3 or 4 on sm_90)
+template <int D, int NQ>
+static int sfi_fae_blocks_per_sm() {
+    static const int n = [] {
+        int blocks = 0;
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sfi_fae_partial<D, NQ>, SFI_WARP_BLOCK_THREADS, 0));
+        return std::max(1, blocks);
+    }();
+    return n;
+}
+
 template <int D>
 static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * q    = dst->src[0];
@@ -1403,9 +1414,12 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const size_t pair_bytes = (size_t) n_q*n_kv*sizeof(float);
     const int    nbl_max    = (int) std::max<size_t>(1, std::min<size_t>(ns, SFI_SCORES_MAX_BYTES/(pair_bytes*n_head_kv)));
 
-    // parts per (head, stream) pair: about four blocks per SM in all
+    // parts per (head, stream) pair: as many blocks as the SMs hold at once, and no more (every block takes about
+    // the same time, so a second wave of a few blocks would take nearly as long as the first)
+    const int bps     = n_q <= 1 ? sfi_fae_blocks_per_sm<D, 1>() : n_q <= 2 ? sfi_fae_blocks_per_sm<D, 2>() :
+                        n_q <= 4 ? sfi_fae_blocks_per_sm<D, 4>() : sfi_fae_blocks_per_sm<D, 8>();
     const int nsm     = ggml_cuda_info().devices[ctx.device].nsm;
-    const int n_parts = std::max(1, std::min(n_tiles, (4*nsm + n_head_kv*nbl_max - 1)/(n_head_kv*nbl_max)));
+    const int n_parts = std::max(1, std::min(n_tiles, bps*nsm/(n_head_kv*nbl_max)));
 
     ggml_cuda_pool_alloc<float>  scores  (ctx.pool(), (size_t) nbl_max*n_head_kv*n_q*n_kv);
     ggml_cuda_pool_alloc<float2> parts   (ctx.pool(), (size_t) nbl_max*n_head_kv*n_parts*n_q);
