@@ -109,7 +109,7 @@ def test_reset_clears_every_sequence(llm, prompts):
 
 def test_gpu_defaults(llm):
     """With offloaded layers a batch uses SFI from 32K cells per sequence unless min_context is set
-    (BENCHMARKS.md: on the H200 batched SFI with staggered refreshes measured 0.81x-0.89x dense at 16K, 1.19x at 32K), a single
+    (BENCHMARKS.md: on the H200 batched SFI with staggered refreshes measured 0.90x-0.95x dense at 16K, 1.21x at 32K), a single
     sequence too, and the Selector runs in the slow step's graph unless device_selector says otherwise; on the
     CPU neither."""
     from sfi_gguf.engine import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
