@@ -24,7 +24,7 @@ CPU_MIN_CONTEXT = 2048
 
 # Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
 # (unless SFIConfig.min_context says otherwise). On the H200 (BENCHMARKS.md, "Where batched SFI starts on a
-# GPU"), batches of 2 to 16 whose sequences refresh together run 1.05x-1.27x batched dense at 16K and 1.21x-1.83x
+# GPU"), batches of 2 to 16 whose sequences refresh together run 1.05x-1.27x batched dense at 16K and 1.21x-2.24x
 # at 32K; with their refreshes staggered, as a server's requests are, 0.90x-0.95x at 16K and 1.21x at 32K.
 GPU_BATCHED_MIN_CONTEXT = 32768
 
