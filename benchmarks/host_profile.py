@@ -32,6 +32,9 @@ PHASES = {
     "gpu wait": r"cudaStreamSynchronize|cudaDeviceSynchronize|cudaEventSynchronize|ggml_backend_sched_synchronize",
     "sfi decode_begin/plan": r"llama_sfi_context::decode_begin|llama_sfi_plan",
     "sfi extract": r"llama_sfi_context::extract",
+    "sfi resolve": r"llama_sfi_context::resolve",
+    "sfi export own": r"llama_sfi_export::own",
+    "graph results made": r"llm_graph_result::llm_graph_result",
     "sfi load selection": r"llama_sfi_seq_load_selection|llama_sfi_set_selection",
     "sfi graph inputs": r"llama_sfi_.*set_input|llama_sfi_build_inputs",
     "logits to host": r"llama_get_logits|llama_context::get_logits",
@@ -60,8 +63,9 @@ def frame_name(frame: str) -> str:
     return re.sub(r":\d+\)$", ")", frame)
 
 
-def summarize(stacks, root: str, rate: float, top: int) -> dict:
+def summarize(stacks, root: str, rate: float, top: int, within: str | None = None) -> dict:
     root_re = re.compile(root)
+    within_re = re.compile(within) if within else None
     phase_res = {k: re.compile(v) for k, v in PHASES.items()}
     total = 0
     phases: Counter = Counter()
@@ -69,7 +73,7 @@ def summarize(stacks, root: str, rate: float, top: int) -> dict:
     own: Counter = Counter()
     for frames, n in stacks:
         at = next((i for i, f in enumerate(frames) if root_re.search(f)), None)
-        if at is None:
+        if at is None or (within_re and not any(within_re.search(f) for f in frames[:at])):
             continue
         below = frames[at:]
         total += n
@@ -81,7 +85,7 @@ def summarize(stacks, root: str, rate: float, top: int) -> dict:
         own[frame_name(below[-1])] += n
     seconds = lambda n: round(n / rate, 4)  # noqa: E731
     return {
-        "root": root, "samples": total, "seconds": seconds(total),
+        "root": root, "within": within, "samples": total, "seconds": seconds(total),
         "phases": {k: seconds(v) for k, v in phases.most_common() if v},
         "inclusive": [(k, seconds(v)) for k, v in inclusive.most_common(top)],
         "self": [(k, seconds(v)) for k, v in own.most_common(top)],
@@ -93,11 +97,12 @@ def main(argv=None) -> int:
     ap.add_argument("profile", help="py-spy raw output (-f raw)")
     ap.add_argument("--rate", type=float, required=True, help="py-spy's sampling rate (-r)")
     ap.add_argument("--root", action="append", required=True, help="frame pattern (regex) to summarize under")
+    ap.add_argument("--within", help="frame pattern (regex) a stack must hold above its root, e.g. one run's call site")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", help="write the summaries here")
     args = ap.parse_args(argv)
     stacks = parse(args.profile)
-    out = [summarize(stacks, r, args.rate, args.top) for r in args.root]
+    out = [summarize(stacks, r, args.rate, args.top, args.within) for r in args.root]
     for s in out:
         print(f"\n## under {s['root']}: {s['seconds']:.2f} s ({s['samples']} samples)")
         share = lambda v: 100 * v / max(s["seconds"], 1e-9)  # noqa: E731

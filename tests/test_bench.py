@@ -103,9 +103,10 @@ def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeyp
     # the attention setting of the environment too (on the CPU "0" is the default's behaviour: nothing else changes)
     monkeypatch.setenv("LLAMA_SFI_FA_EVIDENCE", "0")
     monkeypatch.setenv("LLAMA_SFI_KEEP_GRAPHS", "1")
+    monkeypatch.setenv("GGML_CUDA_DISABLE_GRAPHS", "1")
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, log=lambda _: None)[0]
     assert row.config_overrides == config_overrides(config) and row.composite_ops is False
-    assert row.fa_evidence_env == "0" and row.keep_graphs_env == "1"
+    assert row.fa_evidence_env == "0" and row.keep_graphs_env == "1" and row.cuda_graphs_disabled is True
 
 
 @pytest.mark.real_model

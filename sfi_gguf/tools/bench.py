@@ -78,6 +78,7 @@ class BenchRow:
     fa_evidence_env: str | None = None  # LLAMA_SFI_FA_EVIDENCE as set ("0": a slow step's attention is flash
     #                                     attention + the evidence op even on a GPU; None: the default)
     keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
+    cuda_graphs_disabled: bool = False  # GGML_CUDA_DISABLE_GRAPHS set: every graph launched kernel by kernel
 
 
 def config_overrides(config: SFIConfig) -> dict:
@@ -225,7 +226,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
                   composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0",
                   fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"),
-                  keep_graphs_env=os.environ.get("LLAMA_SFI_KEEP_GRAPHS"))
+                  keep_graphs_env=os.environ.get("LLAMA_SFI_KEEP_GRAPHS"),
+                  cuda_graphs_disabled=os.environ.get("GGML_CUDA_DISABLE_GRAPHS") is not None)
     return llm, config, depths, shared
 
 
