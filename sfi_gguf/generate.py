@@ -29,6 +29,7 @@ class GenerationStats:
     decode_s: float = 0.0
     finish_reason: str = ""      # "stop" (EOG or stop string), "length" (max_tokens or n_ctx)
     ended_on_eog: bool = False   # the last generated token is end-of-generation (not part of the text)
+    stop_string: str | None = None  # the stop string that ended the generation, if one did
     seed: int = 0
     mode: str = "dense"
     sfi: object = None           # SFIStats when decoding with SFI
@@ -80,12 +81,14 @@ class _StopFilter:
         self.hold = max((len(s) for s in self.stop), default=0)
         self.text = ""
         self.emitted = 0
+        self.matched: str | None = None  # the stop string that cut the text
 
     def push(self, piece: str) -> tuple[str, bool]:
         self.text += piece
         for s in self.stop:
             idx = self.text.find(s, max(0, self.emitted - len(s)))
             if idx >= 0:
+                self.matched = s
                 self.text = self.text[:idx]
                 out = self.text[self.emitted:]
                 self.emitted = len(self.text)
@@ -117,6 +120,11 @@ class TextStream:
     def push(self, data: bytes) -> tuple[str, bool]:
         """The text that is safe to emit now, and whether a stop string was reached."""
         return self._stops.push(self._utf8.decode(data))
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string that was reached, if one was."""
+        return self._stops.matched
 
     def close(self) -> str:
         """What was held back, for a text that ended without a stop string (length, context full)."""
@@ -165,6 +173,7 @@ class Ending:
             return ""
         piece, stopped = self.text.push(ctx.token_bytes(token, special=token in self.keep_special))
         if stopped:
+            self.stats.stop_string = self.text.stop_string
             self._end("stop")
         elif self.stats.n_generated >= self.max_tokens:
             self._end("length")

@@ -9,12 +9,15 @@ leave to hand-written code; llama-cpp-python's own server uses the same stack, b
 `llama_cpp.Llama` objects it creates itself, so it cannot serve an `SFILlama`.
 
 Endpoints: GET /v1/models, POST /v1/completions, POST /v1/chat/completions (streaming as server-sent
-events when "stream" is true), GET /health. Every response carries the request's SFI statistics in
-"sfi_stats". Every error is a JSON body of the OpenAI shape ({"error": {"message", "type", ...}}),
-except for bytes that are not HTTP at all, which uvicorn answers with a plain 400 and a closed
-connection. A request body must arrive within `body_timeout` seconds of silence and hold at most
-`max_body_bytes`; a client that disconnects ends its generation before the next token. A request asks
-for at most `max_n` choices ("n"; they decode one after the other, see `openai_api`).
+events when "stream" is true), GET /health; POST /v1/responses (OpenAI's Responses API, `responses_api`;
+GET / DELETE /v1/responses/{id} for a stored response) and POST /v1/messages (Anthropic's Messages API,
+`messages_api`), both translated to and from the chat completion machinery. Every response carries the
+request's SFI statistics in "sfi_stats". Every error is a JSON body of the OpenAI shape ({"error":
+{"message", "type", ...}}; Anthropic's shape on /v1/messages), except for bytes that are not HTTP at all,
+which uvicorn answers with a plain 400 and a closed connection. A request body must arrive within
+`body_timeout` seconds of silence and hold at most `max_body_bytes`; a client that disconnects ends its
+generation before the next token. A request asks for at most `max_n` choices ("n"; they decode one after
+the other, see `openai_api`).
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import openai_api
+from . import messages_api, openai_api, responses_api
 from .sampling import is_int
 
 # request fields that only exist for Python callers of llama-cpp-python
@@ -87,6 +90,7 @@ class SFIServer:
 
             self.slots = SlotScheduler(llm)
         self._turn_lock: anyio.Lock | None = None  # created in the server's event loop
+        self.responses = responses_api.ResponsesAPI()  # holds the stored responses (previous_response_id)
         self.socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.app = self._app()
         self._uvicorn = uvicorn.Server(uvicorn.Config(
@@ -127,7 +131,10 @@ class SFIServer:
                   Route("/health", self._health, methods=["GET"]), Route("/", self._health, methods=["GET"]),
                   Route("/v1/completions", generate(openai_api.create_completion, "prompt"), methods=["POST"]),
                   Route("/v1/chat/completions", generate(openai_api.create_chat_completion, "messages"),
-                        methods=["POST"])]
+                        methods=["POST"]),
+                  Route("/v1/responses", _Translated(self, self.responses), methods=["POST"]),
+                  Route("/v1/responses/{response_id}", self._stored_response, methods=["GET", "DELETE"]),
+                  Route("/v1/messages", _Translated(self, messages_api.MessagesAPI()), methods=["POST"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: _http_error, Exception: _server_error})
 
     async def _models(self, request: Request) -> JSONResponse:
@@ -136,6 +143,14 @@ class SFIServer:
 
     async def _health(self, request: Request) -> JSONResponse:
         return JSONResponse({"status": "ok"})
+
+    async def _stored_response(self, request: Request) -> JSONResponse:
+        """GET (read back) or DELETE a stored response of /v1/responses."""
+        response_id = request.path_params["response_id"]
+        found = (self.responses.delete if request.method == "DELETE" else self.responses.get)(response_id)
+        if found is None:
+            return _error(404, f"no stored response with id {response_id!r}")
+        return JSONResponse(found)
 
     @contextlib.asynccontextmanager
     async def turn(self):
@@ -177,9 +192,9 @@ class _Generate:
         srv = self.server
         try:
             body = await _read_body(scope, receive, srv.max_body_bytes, srv.body_timeout)
-            kwargs, include_usage = _kwargs(_json(body), self.fn, self.main, srv.model_name, srv.max_n)
+            kwargs, include_usage = self._request(_json(body))
         except RequestError as exc:
-            return await _error(exc.status, str(exc))(scope, receive, send)
+            return await self._error(exc.status, str(exc))(scope, receive, send)
         except _ClientGone:
             return
         cancel = threading.Event()
@@ -194,21 +209,58 @@ class _Generate:
                 watch.cancel_scope.cancel()
                 srv._cancels.discard(cancel)
 
-    async def _answer(self, scope, send, kwargs: dict, include_usage: bool, cancel: threading.Event) -> None:
+    def _request(self, body: Any) -> tuple[dict, Any]:
+        """The request's arguments for `_run`, and what `_stream` needs besides (refusals: RequestError)."""
+        return _kwargs(body, self.fn, self.main, self.server.model_name, self.server.max_n)
+
+    def _run(self, model, kwargs: dict):
+        return self.fn(model, kwargs.pop(self.main), **kwargs)
+
+    def _error(self, status: int, message: str) -> JSONResponse:
+        return _error(status, message)
+
+    async def _stream(self, send, result, first, kwargs: dict, include_usage) -> None:
+        await _send_events(send, result, first, include_usage, kwargs.get("n", 1))
+
+    async def _answer(self, scope, send, kwargs: dict, include_usage, cancel: threading.Event) -> None:
         model = self.server.model_for(cancel)
-        prompt = kwargs.pop(self.main)
         stream = kwargs.get("stream")
         try:
-            result = await anyio.to_thread.run_sync(lambda: self.fn(model, prompt, **kwargs))
+            result = await anyio.to_thread.run_sync(lambda: self._run(model, kwargs))
             # a stream's first chunk holds the prefill: its errors are still an HTTP status
             first = await anyio.to_thread.run_sync(next, result, None) if stream else None
         except (ValueError, TypeError, NotImplementedError) as exc:
-            return await _error(400, str(exc))(scope, None, send)
+            return await self._error(400, str(exc))(scope, None, send)
         except Exception as exc:  # noqa: BLE001  (the server keeps serving)
-            return await _error(500, f"{type(exc).__name__}: {exc}")(scope, None, send)
+            return await self._error(500, f"{type(exc).__name__}: {exc}")(scope, None, send)
         if not stream:
             return await JSONResponse(result)(scope, None, send)
-        await _send_events(send, result, first, include_usage, kwargs.get("n", 1))
+        await self._stream(send, result, first, kwargs, include_usage)
+
+
+class _Translated(_Generate):
+    """POST /v1/responses and /v1/messages: another API's requests, answered by the chat completion machinery
+    through `api` (`responses_api.ResponsesAPI`, `messages_api.MessagesAPI`): its request checks, its response
+    and error shapes, its named server-sent events."""
+
+    def __init__(self, server: SFIServer, api):
+        super().__init__(server, None, "")
+        self.api = api
+
+    def _request(self, body: Any) -> tuple[dict, None]:
+        try:
+            return self.api.parse(body, self.server.model_name), None
+        except ValueError as exc:
+            raise RequestError(str(exc)) from None
+
+    def _run(self, model, kwargs: dict):
+        return self.api.create(model, kwargs)
+
+    def _error(self, status: int, message: str) -> JSONResponse:
+        return JSONResponse(self.api.error(status, message), status)
+
+    async def _stream(self, send, result, first, kwargs: dict, _) -> None:
+        await _send_named_events(send, result, first, self.api.stream_error)
 
 
 async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
@@ -312,6 +364,26 @@ async def _send_events(send, chunks, first, include_usage: bool, n: int) -> None
         with anyio.CancelScope(shield=True):  # the generation ends (and frees the model) however we leave
             await anyio.to_thread.run_sync(chunks.close)
     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _send_named_events(send, events, first, stream_error) -> None:
+    """(name, payload) events as server-sent events with an `event:` line (the Responses and Messages APIs; no
+    [DONE]). An error after the first event is reported as the API's error event, `stream_error(exc)`."""
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache")]})
+    event = lambda item: send({"type": "http.response.body", "more_body": True,  # noqa: E731
+                               "body": f"event: {item[0]}\ndata: {json.dumps(item[1])}\n\n".encode()})
+    try:
+        item = first
+        while item is not None:
+            await event(item)
+            item = await anyio.to_thread.run_sync(next, events, None)
+    except Exception as exc:  # noqa: BLE001  (the status line is sent: report in the stream)
+        await event(stream_error(exc))
+    finally:
+        with anyio.CancelScope(shield=True):  # the generation ends (and frees the model) however we leave
+            await anyio.to_thread.run_sync(events.close)
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
