@@ -27,6 +27,19 @@ def default_threads() -> int:
     return max(1, os.cpu_count() or 1)
 
 
+def utf8(text: str) -> bytes:
+    """`text` as UTF-8, refusing what is not text by saying so (a raw UnicodeEncodeError names neither the
+    argument nor the cause)."""
+    if not isinstance(text, str):
+        raise ValueError(f"text must be a str (or UTF-8 bytes), got {type(text).__name__}: {text!r:.80}")
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"the text holds a lone surrogate {text[exc.start]!r} at position {exc.start} (half of a "
+                         "UTF-16 pair, e.g. from decoding bytes with errors='surrogateescape'), which is not "
+                         "Unicode text; fix or drop it (s.encode('utf-8', 'replace').decode())") from None
+
+
 def _available_memory() -> int | None:
     """MemAvailable + free swap from /proc/meminfo in bytes (None where there is no /proc)."""
     try:
@@ -254,10 +267,11 @@ class LlamaContext:
         return tmpl.decode(errors="replace") if tmpl else None
 
     # -- text <-> tokens ------------------------------------------------------------------------
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(self, text: str | bytes, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """`text` (a str, or bytes: UTF-8 text, as llama-cpp-python's tokenize takes it) as token ids."""
         if not self.model:
             raise self._closed()
-        data = text.encode("utf-8")
+        data = bytes(text) if isinstance(text, (bytes, bytearray)) else utf8(text)
         cap = len(data) + 16
         buf = (llama_cpp.llama_token * cap)()
         n = llama_cpp.llama_tokenize(self.vocab, data, len(data), buf, cap, add_special, parse_special)

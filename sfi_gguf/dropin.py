@@ -31,6 +31,7 @@ decode as llama-cpp-python does; `sfi_unavailable` says why.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from typing import Optional, Sequence
@@ -39,7 +40,7 @@ import numpy as np
 
 from ._native import llama_cpp
 from .config import SFIConfig
-from .context import BorrowedContext
+from .context import BorrowedContext, ContextError
 from .engine import SFIEngine, check_fits, check_split, sfi_config
 from .models import KNOWN_MODELS, resolve_model_path
 from . import tool_calls
@@ -52,7 +53,10 @@ class Llama(llama_cpp.Llama):
     """`llama_cpp.Llama` with SFI decoding; every argument of `llama_cpp.Llama`, plus `sfi=`.
 
     `model_path` may also be None (sfi-gguf's default model) or a known model name, as for `SFILlama`.
+    After `close()` every method raises `ContextError` (see `_open_only`).
     """
+
+    _sfi_closed = False
 
     def __init__(self, model_path: str | os.PathLike | None = None, *args,
                  sfi: SFIConfig | str | bool | dict | None = True, **kwargs):
@@ -218,6 +222,7 @@ class Llama(llama_cpp.Llama):
         return state
 
     def close(self) -> None:
+        self._sfi_closed = True
         engine, ctx = getattr(self, "_sfi_engine", None), getattr(self, "_sfi_ctx", None)
         self._sfi_engine = self._sfi_ctx = self._sfi_stepper = None
         if engine is not None:
@@ -227,6 +232,22 @@ class Llama(llama_cpp.Llama):
         if hasattr(self, "_stack"):
             super().close()
 
+
+def _open_only(method):
+    """`method`, refused with ContextError after close(): llama-cpp-python's objects keep pointers into the freed
+    model (its vocabulary, which tokenize reads), so a call would crash the process, not raise."""
+    @functools.wraps(method)
+    def checked(self, *args, **kwargs):
+        if self._sfi_closed:
+            raise ContextError("the model was closed (Llama.close()); create a new one")
+        return method(self, *args, **kwargs)
+
+    return checked
+
+
+for _name, _member in vars(llama_cpp.Llama).items():  # every public method of llama_cpp.Llama, and __call__
+    if inspect.isfunction(_member) and (_name == "__call__" or not _name.startswith("_")) and _name != "close":
+        setattr(Llama, _name, _open_only(getattr(Llama, _name)))
 
 _CHAT_SIGNATURE = inspect.signature(llama_cpp.Llama.create_chat_completion)
 

@@ -150,7 +150,8 @@ class SFILlama:
 
     # -- text -----------------------------------------------------------------------------------
     @_serialised
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str | bytes, add_special: bool = True) -> list[int]:
+        """`text` (a str, or UTF-8 bytes as llama-cpp-python's `tokenize` takes) as token ids."""
         return self._ctx.tokenize(text, add_special=add_special)
 
     @_serialised
@@ -189,17 +190,30 @@ class SFILlama:
 
     @_serialised
     def prompt_tokens(self, prompt: Prompt, tools: Sequence[dict] | None = None) -> list[int]:
-        """A prompt as tokens: text is tokenized, messages are chat-formatted (with `tools`), token ids pass
-        through."""
+        """A prompt as tokens: text (a str, or bytes of UTF-8 text as llama-cpp-python reads them) is tokenized,
+        messages are chat-formatted (with `tools`), token ids (a list of ints) pass through."""
+        if isinstance(prompt, (bytes, bytearray)):
+            try:
+                prompt = bytes(prompt).decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ValueError(f"a bytes prompt is UTF-8 text; byte {exc.start} is not UTF-8 ({exc.reason}). "
+                                 "Token ids go in a list of ints") from None
         if isinstance(prompt, str):
             return self.tokenize(prompt)
-        if not len(prompt):  # [] is neither messages nor tokens: say what is wrong, not "no chat template"
+        if not isinstance(prompt, (list, tuple)):
+            raise ValueError(f"prompt must be a string, a list of chat messages (dicts) or a list of token ids "
+                             f"(ints), got {type(prompt).__name__}: {prompt!r:.80}")
+        if not prompt:  # [] is neither messages nor tokens: say what is wrong, not "no chat template"
             raise ValueError("the prompt is empty")
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if all(is_int(t) for t in prompt):
             bad = [t for t in prompt if not 0 <= t < self._ctx.n_vocab]
             if bad:
                 raise ValueError(f"token ids out of range [0, {self._ctx.n_vocab}): {bad[:5]}")
-            return list(prompt)
+            return [int(t) for t in prompt]
+        if not all(isinstance(m, dict) for m in prompt):
+            odd = next(x for x in prompt if not (is_int(x) if is_int(prompt[0]) else isinstance(x, dict)))
+            raise ValueError("a list prompt is either chat messages (dicts) or token ids (ints, not bools), not a "
+                             f"mix: it holds {odd!r} ({type(odd).__name__})")
         text = self.apply_chat_template(prompt, tools=tools)
         return self._ctx.tokenize(text, add_special=not self._starts_with_bos(text))
 
@@ -428,6 +442,8 @@ def _stop_list(stop) -> list[str]:
         return []
     if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
         raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+    if "" in stops:  # llama-cpp-python's loop would find it at once and answer nothing: refused, not ignored
+        raise ValueError(f"stop strings must not be empty, got {stop!r}")
     return list(stops)
 
 

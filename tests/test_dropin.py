@@ -5,6 +5,9 @@ greedy answers are SFI's, compared with SFILlama's on the same engine; the featu
 grammar, JSON schema, logprobs, state) are llama-cpp-python's own.
 """
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -163,6 +166,31 @@ def test_sfi_false_is_llama_cpp_python():
         finally:
             model.close()
     assert outs[0] == outs[1]
+
+
+def test_every_call_after_close_raises_context_error():
+    """llama-cpp-python's objects keep pointers into the freed model: a call after close() must raise, not crash
+    the process (run in a subprocess, so that a crash fails this test instead of ending pytest)."""
+    code = ("from sfi_gguf import Llama\n"
+            "from sfi_gguf.context import ContextError\n"
+            "llm = Llama(None, n_ctx=256, n_threads=1, verbose=False)\n"
+            "llm('Hi', max_tokens=2)\n"
+            "llm.close(); llm.close()\n"
+            "calls = {'__call__': lambda: llm('hi'), 'tokenize': lambda: llm.tokenize(b'hi'),\n"
+            "         'detokenize': lambda: llm.detokenize([9707]), 'n_vocab': llm.n_vocab, 'reset': llm.reset,\n"
+            "         'chat': lambda: llm.create_chat_completion([{'role': 'user', 'content': 'hi'}]),\n"
+            "         'eval': lambda: llm.eval([9707]), 'save_state': llm.save_state}\n"
+            "for name, call in calls.items():\n"
+            "    try:\n"
+            "        call()\n"
+            "    except ContextError as exc:\n"
+            "        assert 'closed' in str(exc), exc\n"
+            "    else:\n"
+            "        raise AssertionError(name + ' answered after close()')\n"
+            "print('all refused')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert proc.returncode == 0 and "all refused" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
 
 
 def test_unsupported_settings_name_the_option():

@@ -201,6 +201,18 @@ def test_bad_prompts(tiny_path):
             llm.generate([], max_tokens=4)
         with pytest.raises(ValueError, match="max_tokens"):
             llm.generate("hi", max_tokens=-3)
+        # what is not a prompt says what a prompt is, before anything reads it
+        with pytest.raises(ValueError, match=r"prompt must be a string, a list of chat messages .* got int: 5"):
+            llm.generate(5, max_tokens=4)
+        with pytest.raises(ValueError, match=r"token ids \(ints, not bools\), not a mix: it holds True \(bool\)"):
+            llm.generate([True, 5], max_tokens=4)
+        with pytest.raises(ValueError, match=r"not a mix: it holds 'x' \(str\)"):
+            llm.generate([{"role": "user", "content": "hi"}, "x"], max_tokens=4)
+        with pytest.raises(ValueError, match=r"lone surrogate '\\udc80' at position 2"):
+            llm.generate("hi\udc80", max_tokens=4)
+        with pytest.raises(ValueError, match=r"a bytes prompt is UTF-8 text; byte 2 is not UTF-8"):
+            llm.generate(b"hi\xff", max_tokens=4)
+        assert llm.context.tokens == []  # nothing was decoded
         # a prompt one token short of the context: one decode fills it, the token sampled from that is last
         out = llm.generate([5] * (N_CTX - 1), max_tokens=50, temperature=0, ignore_eos=True)
         assert out.finish_reason == "length" and len(out.tokens) == 2 and out.stats.n_ctx_end == N_CTX
@@ -208,6 +220,17 @@ def test_bad_prompts(tiny_path):
         out = llm.generate(prompt_tokens(), max_tokens=10_000, temperature=0, ignore_eos=True)
         assert out.finish_reason == "length" and out.stats.n_ctx_end == N_CTX
         assert len(out.tokens) == N_CTX - 200 + 1
+
+
+def test_bytes_are_utf8_text(tiny_path):
+    """As in llama-cpp-python, bytes are UTF-8 text (token ids are a list of ints)."""
+    with make(tiny_path, sfi=False) as llm:
+        text = "Grüße, caches"
+        assert llm.tokenize(text.encode()) == llm.tokenize(text) == llm.context.tokenize(text.encode())
+        assert llm.tokenize(bytearray(text.encode()), add_special=False) == llm.tokenize(text, add_special=False)
+        as_bytes = llm.generate(text.encode(), max_tokens=4, temperature=0, ignore_eos=True)
+        assert as_bytes.stats.n_prompt == len(llm.tokenize(text))
+        assert as_bytes.tokens == llm.generate(text, max_tokens=4, temperature=0, ignore_eos=True).tokens
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -218,6 +241,7 @@ def test_bad_prompts(tiny_path):
     (dict(top_p=float("nan")), "top_p"), (dict(min_p=2), "min_p"), (dict(repeat_penalty=0), "repeat_penalty"),
     (dict(presence_penalty=float("-inf")), "presence_penalty"), (dict(frequency_penalty=3), "frequency_penalty"),
     (dict(stop=[1, 2]), "stop must be None, a string or a list of strings"), (dict(stop=5), "stop"),
+    (dict(stop=["", "."]), "stop strings must not be empty"),
     (dict(max_tokens=2.0), "max_tokens must be"), (dict(logprobs=-1), "logprobs"),
     (dict(logprobs="3"), "logprobs"), (dict(stream="yes"), "stream must be True or False"),
     (dict(ignore_eos=None), "ignore_eos"), (dict(sfi={"k_head": "64"}), r"SFIConfig\.k_head"),
