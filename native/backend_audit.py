@@ -36,8 +36,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
 
-os.environ["LLAMA_SFI_FUSED"] = "0"  # read once by the library, at its first graph: set before anything loads it
-
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
@@ -350,6 +348,9 @@ def main(argv=None) -> int:
                     help="layers on the library's GPU device (a Vulkan build: its device's own verdicts, in place)")
     ap.add_argument("--runs", nargs="*", help="only these runs (the dense one is always needed)")
     args = ap.parse_args(argv)
+    # the composite ops everywhere: read once by the library, at its first graph (so not set on import: a test
+    # process importing this module keeps its own setting)
+    os.environ["LLAMA_SFI_FUSED"] = "0"
 
     sources = read_sources(args.tree)
     checkers = backends(sources)
