@@ -51,7 +51,7 @@ class ggml_tensor(ctypes.Structure):
 
 @functools.cache
 def _ggml_base():
-    base = ctypes.CDLL(str(next(Path(_native.find_lib_dir()).glob("libggml-base.so*"))))
+    base = ctypes.CDLL(str(next(Path(_native.find_lib_dir()).glob("libggml-base.*"))))
     base.ggml_op_name.restype = ctypes.c_char_p
     base.ggml_op_name.argtypes = [ctypes.c_int]
     return base
