@@ -49,6 +49,10 @@ _EXTRA = {"best_of", "user", "stream_options", "max_completion_tokens"}
 MAX_BODY_BYTES = 16 * 2**20  # a 128K-token prompt is well under 1 MiB of text or token ids
 BODY_TIMEOUT_S = 30.0        # silence allowed while a request body arrives
 MAX_N = 16                   # choices of one request: they decode one after the other, each max_tokens long
+DRAIN_MAX_BYTES = 256 * 2**20  # of an oversized body, read and dropped before its 413 (see `_drain`)
+DRAIN_SILENCE_S = 1.0          # ... until the client sends nothing for this long
+# a chat message's roles in the OpenAI API
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 def _accepted(fn) -> set[str]:
@@ -268,6 +272,7 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
     headers = dict(scope["headers"])
     length = headers.get(b"content-length")
     if length is not None and int(length) > limit:  # (h11 has refused a Content-Length that is not a number)
+        await _drain(headers, receive, min(timeout, DRAIN_SILENCE_S))
         raise RequestError(f"the request body has {int(length)} bytes, the server accepts at most {limit}", 413)
     chunks, size = [], 0
     while True:
@@ -280,9 +285,29 @@ async def _read_body(scope, receive, limit: int, timeout: float) -> bytes:
         chunks.append(message.get("body", b""))
         size += len(chunks[-1])
         if size > limit:
+            if message.get("more_body"):
+                await _drain(headers, receive, min(timeout, DRAIN_SILENCE_S))
             raise RequestError(f"the request body is larger than {limit} bytes", 413)
         if not message.get("more_body"):
             return b"".join(chunks)
+
+
+async def _drain(headers: dict, receive, silence: float) -> None:
+    """Read and drop the rest of an oversized body (at most DRAIN_MAX_BYTES, until `silence` seconds without any)
+    before the 413 is sent: a client reads no answer while it is still sending, and a connection closed with bytes
+    unread (uvicorn closes it after the answer to a "Connection: close" request) is reset, so it would see a reset,
+    not the 413. A client waiting for "100 Continue" sends no body: answered at once (a read would invite it)."""
+    if headers.get(b"expect", b"").lower() == b"100-continue":
+        return
+    dropped = 0
+    while dropped <= DRAIN_MAX_BYTES:
+        with anyio.move_on_after(silence) as waited:
+            message = await receive()
+        if waited.cancelled_caught or message["type"] == "http.disconnect":
+            return
+        dropped += len(message.get("body", b""))
+        if not message.get("more_body"):
+            return
 
 
 def _json(body: bytes) -> Any:
@@ -293,6 +318,8 @@ def _json(body: bytes) -> Any:
         return json.loads(body or b"{}", parse_constant=no_constant)
     except ValueError as exc:  # (UnicodeDecodeError and JSONDecodeError are ValueErrors)
         raise RequestError(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:  # arrays or objects nested deeper than Python's recursion limit
+        raise RequestError("the request body is nested too deeply to be read as JSON") from None
 
 
 def _kwargs(body: Any, fn, main: str, model_name: str, max_n: int = MAX_N) -> tuple[dict[str, Any], bool]:
@@ -321,12 +348,31 @@ def _kwargs(body: Any, fn, main: str, model_name: str, max_n: int = MAX_N) -> tu
         raise RequestError(f"stream_options.include_usage must be true or false, got {include_usage!r}")
     if body.get("user") is not None and not isinstance(body["user"], str):
         raise RequestError(f"user must be a string, got {body['user']!r}")
+    if main == "messages":
+        _check_messages(body["messages"])
     kwargs = {k: v for k, v in body.items() if k not in _EXTRA and v is not None}  # null: the default
     if body.get("max_completion_tokens") is not None:
         kwargs["max_tokens"] = body["max_completion_tokens"]
     kwargs["stream"] = bool(body.get("stream"))
     kwargs["model"] = model_name  # the served model answers whatever name the client used
     return kwargs, bool(include_usage)
+
+
+def _check_messages(messages: Any) -> None:
+    """Each chat message's role and content type, as the OpenAI API checks them (the Python API passes any role and
+    content to the chat template, as llama-cpp-python does)."""
+    if not isinstance(messages, list):
+        return  # (create_chat_completion refuses it by name)
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            continue
+        if m.get("role") not in ROLES:
+            raise RequestError(f"messages[{i}].role must be one of {', '.join(ROLES)}, got {m.get('role')!r}")
+        content = m.get("content")
+        if not (content is None or isinstance(content, str)
+                or isinstance(content, list) and all(isinstance(p, dict) for p in content)):
+            raise RequestError(f"messages[{i}].content must be a string or an array of content parts, got "
+                               f"{content!r:.80}")
 
 
 async def _watch_disconnect(receive, cancel: threading.Event) -> None:

@@ -168,6 +168,9 @@ GOOD = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0}
     (json.dumps({**GOOD, "logit_bias": {"a": 1}}).encode(), "logit_bias must be"),
     (json.dumps({**GOOD, "mirostat_mode": 7}).encode(), "mirostat_mode must be"),
     (json.dumps({**GOOD, "typical_p": 2}).encode(), "typical_p must be"),
+    (json.dumps({**GOOD, "stop": ["", "\n"]}).encode(), "stop strings must not be empty"),
+    (b'{"prompt": "hi \\ud800", "max_tokens": 1}', "lone surrogate '\\ud800'"),
+    pytest.param(b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", "nested too deeply", id="deeply-nested"),
 ])
 def test_bad_completion_bodies_are_400(one, body, match):
     status, _, raw = one.raw(_request("POST", "/v1/completions", body))
@@ -189,6 +192,11 @@ def test_bad_completion_bodies_are_400(one, body, match):
     ({"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}, "response_format"),
     ({"messages": [{"role": "user", "content": "hi"}], "grammar": 'root ::= "a"',
       "response_format": {"type": "json_object"}}, "both constrain"),
+    # as the OpenAI API answers them
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role must be one of system, developer, user"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": None, "content": "x"}]}, "messages[1].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content must be a string or an array"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages[0].content must be"),
 ])
 def test_bad_chat_bodies_are_400(one, body, match):
     status, _, raw = one.raw(_request("POST", "/v1/chat/completions", json.dumps(body).encode()))
@@ -233,6 +241,13 @@ def test_oversized_bodies_are_413(one):
     # a Content-Length alone is enough to refuse, before any of the body is sent
     status, _, raw = one.raw(_request("POST", "/v1/completions", headers={"Content-Length": str(10**12)}))
     _openai_error(status, raw, 413, "at most")
+    # a client that sends a large body whole before it reads (and asks to close the connection after the answer)
+    # reads the 413, not a reset, however the body is framed
+    huge = json.dumps({**GOOD, "prompt": "x" * 40_000_000}).encode()
+    status, _, raw = one.raw(_request("POST", "/v1/completions", huge))
+    _openai_error(status, raw, 413, "at most")
+    status, _, raw = one.raw(_request("POST", "/v1/completions", _chunked(huge, 2**20), {"Transfer-Encoding": "chunked"}))
+    _openai_error(status, raw, 413, "larger than")
 
 
 def test_truncated_bodies_time_out_with_408(one):
