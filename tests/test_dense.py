@@ -130,11 +130,14 @@ def test_gemma3_sliding_window_model_generates():
 
 def test_cli_run_streams_text_and_reports_speed():
     result = subprocess.run([sys.executable, "-m", "sfi_gguf.cli", "run", "Write a haiku about caches",
-                             "-n", "24", "--seed", "1", "-c", "512", "-t", str(THREADS)],
+                             "-n", "24", "--seed", "1", "-c", "512", "-t", str(THREADS), "-v"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.strip()) > 10
     assert "tok/s" in result.stderr and "context" in result.stderr
+    # -v: llama.cpp's information (the model's description), not its debug lines (several per decode)
+    assert "print_info: arch" in result.stderr
+    assert "llama_graph_n_input_tensors" not in result.stderr and len(result.stderr.splitlines()) < 400
 
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):
