@@ -9,15 +9,6 @@ memory a refresh kept: support stability) at each slow step, and the sentence en
 """
 import argparse
 
-import matplotlib
-
-matplotlib.use("Agg")  # write a file, no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-
-from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.tools.texts import natural_text  # noqa: E402
-
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("-m", "--model", default=None)
 parser.add_argument("-o", "--output", default="slow_steps.png")
@@ -25,7 +16,18 @@ parser.add_argument("-n", "--max-tokens", type=int, default=160)
 parser.add_argument("--chars", type=int, default=9000, help="prompt length in characters (~4.5 per token)")
 parser.add_argument("--k-head", type=int, default=512)
 parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-args = parser.parse_args()
+args = parser.parse_args()  # first: --help needs neither matplotlib nor the model
+
+try:
+    import matplotlib
+except ImportError:
+    raise SystemExit("plot_slow_steps.py needs matplotlib: pip install matplotlib") from None
+matplotlib.use("Agg")  # write a file, no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from sfi_gguf import SFILlama  # noqa: E402
+from sfi_gguf.config import SFIConfig  # noqa: E402
+from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 llm = SFILlama(args.model, n_ctx=4096, n_threads=args.threads, progress=True, sfi=SFIConfig(k_head=args.k_head))
 prompt = [{"role": "user", "content": natural_text(args.chars, seed=5)

@@ -174,6 +174,14 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _port(text: str) -> int:
+    """A TCP port, checked before the model loads (a bad one would fail only once the server binds)."""
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 0..65535 (0 picks a free one), got {value}")
+    return value
+
+
 def _llm_from_args(args: argparse.Namespace, progress: bool = False):
     from .llama import SFILlama
 
@@ -276,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1",
                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to "
                             "the network)")
-    serve.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 picks a free one)")
+    serve.add_argument("--port", type=_port, default=8000, help="TCP port (default 8000; 0 picks a free one)")
     serve.add_argument("--parallel", type=_positive_int, default=1, metavar="N",
                        help="slots: up to N requests decode together in one batch, each with its own SFI state "
                             "and n_ctx cells (default 1: requests take turns)")
@@ -296,6 +304,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, (_, help_text) in TOOLS.items():  # listed here, parsed by their module (see `main`)
         sub.add_parser(name, help=help_text, add_help=False)
+    for command_parser in sub.choices.values():  # (see `main`)
+        command_parser.set_defaults(command_parser=command_parser)
     return parser
 
 
@@ -304,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv and argv[0] in TOOLS:
             return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])
-        args = build_parser().parse_args(argv)
+        args, unknown = build_parser().parse_known_args(argv)
+        if unknown:  # refused by the command's parser, with its usage (parse_args would show the top level's)
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         return args.func(args)
     except (ValueError, OSError, MemoryError) as exc:  # OSError: a missing file, a port in use
         print(f"sfi-gguf: error: {exc}", file=sys.stderr)

@@ -38,3 +38,26 @@ def test_help_texts(command, words):
     assert result.returncode == 0
     for word in words:
         assert word in result.stdout, (command, word)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["serve", "--port", "99999"], "argument --port: a TCP port is 0..65535 (0 picks a free one), got 99999"),
+    (["serve", "--port", "-1"], "a TCP port is 0..65535"),
+    (["run", "hi", "--bogus", "-n", "2"], "unrecognized arguments: --bogus"),
+    (["chat", "--bogus"], "unrecognized arguments: --bogus"),
+])
+def test_bad_arguments_show_the_commands_usage(args, message):
+    """Refused as argparse refuses (exit 2) by the command's own parser, before any model is loaded."""
+    result = _cli(*args, timeout=120)
+    assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert result.stderr.startswith(f"usage: sfi-gguf {args[0]} ") and "Traceback" not in result.stderr
+
+
+def test_an_example_parses_its_arguments_before_importing_matplotlib():
+    """`--help` of the plotting example works without matplotlib (it is imported only to plot)."""
+    code = ("import runpy, sys\n"
+            "sys.modules['matplotlib'] = None  # an import of it raises ImportError\n"
+            "sys.argv = ['plot_slow_steps.py', '--help']\n"
+            "runpy.run_path('examples/plot_slow_steps.py', run_name='__main__')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert result.returncode == 0 and "--max-tokens" in result.stdout, result.stderr
