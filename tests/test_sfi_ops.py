@@ -2,7 +2,7 @@
 
 The op test checks each op against the composite ggml ops it replaces, on the CPU (exact to the summation
 order) and on every other backend the build has (a GPU: to rounding), over head sizes, GQA groups, key types
-(F16, Q8_0, F32), cell counts, masks and soft-capping. The device Selector's tests (tests/test_device_selector.py) check
+(F16, Q8_0, Q4_0, F32), cell counts, masks and soft-capping. The device Selector's tests (tests/test_device_selector.py) check
 the selection the fused op leads to against the numpy Selector; below they run once more on the composite ops.
 """
 from __future__ import annotations

@@ -18,7 +18,8 @@ extern "C" {
     // With key_norms, also the norm ||k[:, c, h, b]|| of every key, from the same read of the keys.
     //
     // q:    F32 [n_embd, n_q, n_head_kv, nb]  the query rows of each KV head, scaled (row j is token row j % n_rows)
-    // k:    [n_embd, n_kv, n_head_kv, nb]     any type with to_float (F32, F16, Q8_0 ...), any strides
+    // k:    [n_embd, n_kv, n_head_kv, nb]     any type with to_float (F32, F16, Q8_0 ...), any strides (CUDA: F16, Q8_0
+    //                                         or Q4_0, n_embd 64, 128 or 256)
     // mask: F16 or F32 [n_kv, n_rows, 1, nm]  nb % nm == 0; -INFINITY excludes a cell
     // res:  F32 [n_kv, n_head_kv, nb, 1 + key_norms]: res[:, :, :, 0] the evidence; with key_norms, res[:, :, :, 1]
     //       holds the norms head by head within a cell, [n_head_kv, n_kv, nb] (ggml_sfi_evidence_key_norms), the rows
@@ -43,6 +44,7 @@ extern "C" {
     //
     // q:    F32 [D, n_tokens, n_head, ns]   ggml_flash_attn_ext's q (any strides), n_head % n_head_kv == 0
     // k:    [D, n_kv, n_head_kv, ns]         any type with to_float, any strides; v: [D_v, n_kv, n_head_kv, ns] likewise
+    //                                        (CUDA: k and v of one type, F16, Q8_0 or Q4_0, D = D_v 64, 128 or 256)
     // mask: F16 [n_kv, >= n_tokens, 1, nm]   ns % nm == 0; -INFINITY excludes a cell
     // res:  F32, read through the views below: the output [D_v, n_head, n_tokens, ns] (ggml_flash_attn_ext's layout),
     //       the evidence [n_kv, n_head_kv, ns], and with key_norms the norms [n_head_kv, n_kv, ns]

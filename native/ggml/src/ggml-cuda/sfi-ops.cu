@@ -9,6 +9,8 @@
 //   evidence:  per cell the sum over the rows of exp(alpha*(s - max))*sum^-alpha = p^alpha
 // The scores of a chunk live in a pool buffer of at most SFI_SCORES_MAX_BYTES. The slow step reads the whole K cache
 // here, so the scores kernel is made to keep enough loads in flight to run at the memory's speed.
+// Keys (and the fused attention's values) are F16, Q8_0 or Q4_0 (sfi_lane_kv, sfi_load_block: quantized blocks are
+// dequantized as they are read; the query rows are then quantized to Q8_0 as the CPU's and flash attention's are).
 
 #include "sfi-ops.cuh"
 
@@ -30,10 +32,182 @@ static __device__ __forceinline__ float sfi_to_float(T x);
 template <> __device__ __forceinline__ float sfi_to_float<half>(half x)   { return __half2float(x); }
 template <> __device__ __forceinline__ float sfi_to_float<float>(float x) { return x; }
 
+// The keys (and values) the kernels read: F16, or the blocks of Q8_0 and Q4_0 (32 values and an F16 scale d each),
+// dequantized as they are loaded, as ggml-cuda's flash attention reads them. With quantized keys the query rows are
+// quantized to Q8_0 first (the keys' vec_dot type: the CPU's products and flash attention's take them so), and a
+// score is the sum over the blocks of d_k*d_q*(the integer dot product of the block).
+static constexpr bool sfi_quantized(ggml_type t) {
+    return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
+}
+
+static bool sfi_kv_type_supported(ggml_type t) {
+    return t == GGML_TYPE_F16 || sfi_quantized(t);
+}
+
+// NB bytes (NB even) from a 2-byte aligned address (a block's values follow its 2-byte scale) into 32-bit words
+template <int NB>
+static __device__ __forceinline__ void sfi_load_b2(uint32_t (&x)[(NB + 3)/4], const char * p) {
+    const uint16_t * p16 = (const uint16_t *) p;
+#pragma unroll
+    for (int i = 0; i < NB/2; ++i) {
+        const uint32_t u = p16[i];
+        x[i/2] = i % 2 == 0 ? u : x[i/2] | (u << 16);
+    }
+}
+
+// byte e of x as a signed integer, as a float
+static __device__ __forceinline__ float sfi_int8_at(const uint32_t * x, const int e) {
+    return (float) (int8_t) (x[e/4] >> (8*(e % 4)));
+}
+
+// Q4_0's values (nibbles, low ones first in the block) at bytes x, shifted down by shift, as int8 (nibble - 8)
+static __device__ __forceinline__ uint32_t sfi_q4_0_to_int8(const uint32_t x, const int shift) {
+    return __vsub4((x >> shift) & 0x0F0F0F0Fu, 0x08080808u);
+}
+
+// a lane's E consecutive elements of a key or value row (the warp kernels: lane l has elements l*E .. l*E + E-1), as
+// loaded: lane_offset(lane) is where the lane's elements (F16) or their block (quantized) start in a row, load()
+// reads them, values() gives them as F32 (the integers of a quantized block, whose scale is d)
+template <ggml_type T, int E>
+struct sfi_lane_kv;
+
+template <int E>
+struct sfi_lane_kv<GGML_TYPE_F16, E> {
+    half2 x[E/2];
+
+    static __device__ __forceinline__ size_t lane_offset(const int lane) {
+        return (size_t) lane*E*sizeof(half);
+    }
+    __device__ __forceinline__ void load(const char * p, const int) {
+        if constexpr (E == 2) {
+            *(uint32_t *) x = *(const uint32_t *) p;
+        } else if constexpr (E == 4) {
+            *(uint2 *) x = *(const uint2 *) p;
+        } else {
+            *(uint4 *) x = *(const uint4 *) p;
+        }
+    }
+    __device__ __forceinline__ void values(float (&f)[E]) const {
+#pragma unroll
+        for (int e = 0; e < E/2; ++e) {
+            const float2 v = __half22float2(x[e]);
+            f[2*e]     = v.x;
+            f[2*e + 1] = v.y;
+        }
+    }
+};
+
+template <int E>
+struct sfi_lane_kv<GGML_TYPE_Q8_0, E> {
+    uint32_t x[(E + 3)/4]; // int8 values
+    float    d;
+
+    static __device__ __forceinline__ size_t lane_offset(const int lane) {
+        return (size_t) (lane*E/QK8_0)*sizeof(block_q8_0);
+    }
+    __device__ __forceinline__ void load(const char * p, const int lane) {
+        d = __half2float(*(const half *) p);
+        sfi_load_b2<E>(x, p + sizeof(half) + lane*E % QK8_0);
+    }
+    __device__ __forceinline__ void values(float (&f)[E]) const {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            f[e] = sfi_int8_at(x, e);
+        }
+    }
+};
+
+template <int E>
+struct sfi_lane_kv<GGML_TYPE_Q4_0, E> {
+    uint32_t x[(E + 3)/4]; // the nibbles made int8
+    float    d;
+
+    static __device__ __forceinline__ size_t lane_offset(const int lane) {
+        return (size_t) (lane*E/QK4_0)*sizeof(block_q4_0);
+    }
+    // element i < 16 of a block is byte i's low nibble, element 16 + i its high one
+    __device__ __forceinline__ void load(const char * p, const int lane) {
+        const int i = lane*E % QK4_0;
+        d = __half2float(*(const half *) p);
+        sfi_load_b2<E>(x, p + sizeof(half) + i % (QK4_0/2));
+#pragma unroll
+        for (int w = 0; w < (E + 3)/4; ++w) {
+            x[w] = sfi_q4_0_to_int8(x[w], i >= QK4_0/2 ? 4 : 0);
+        }
+    }
+    __device__ __forceinline__ void values(float (&f)[E]) const {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            f[e] = sfi_int8_at(x, e);
+        }
+    }
+};
+
+// a row's 32 values of one quantized block at p, the integers (F32) in f; returns the block's scale
+template <ggml_type T>
+static __device__ __forceinline__ float sfi_load_block(const char * p, float (&f)[32]) {
+    static_assert(sfi_quantized(T), "a quantized type");
+    uint32_t x[8];
+    if constexpr (T == GGML_TYPE_Q8_0) {
+        sfi_load_b2<QK8_0>(x, p + sizeof(half));
+    } else {
+        uint32_t raw[4];
+        sfi_load_b2<QK4_0/2>(raw, p + sizeof(half));
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+            x[w]     = sfi_q4_0_to_int8(raw[w], 0);
+            x[w + 4] = sfi_q4_0_to_int8(raw[w], 4);
+        }
+    }
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+        f[e] = sfi_int8_at(x, e);
+    }
+    return __half2float(*(const half *) p);
+}
+
+// values x quantized to Q8_0 as the CPU quantizes the keys' vec_dot operand: over a block of 32 values (here n_lanes
+// lanes of 32/n_lanes values each, consecutive lanes) d = amax/127 (kept as F16) and x = round(x*127/amax); returns d
+template <int E>
+static __device__ __forceinline__ float sfi_quantize_q8_0(float (&x)[E], const int n_lanes) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        amax = fmaxf(amax, fabsf(x[e]));
+    }
+    for (int o = 1; o < n_lanes; o <<= 1) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xffffffff, amax, o));
+    }
+    // correctly rounded divisions (not fast math's), as the CPU divides
+    const float id = amax != 0.0f ? __fdiv_rn(127.0f, amax) : 0.0f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        x[e] = rintf(x[e]*id);
+    }
+    return __half2float(__float2half_rn(__fdiv_rn(amax, 127.0f)));
+}
+
+// a lane's E elements of a query row as the products with keys of type TK take them: rounded to F16 (as the
+// attention's and cuBLAS's products of F16 keys round them), or quantized to Q8_0 (the integers in x; returns the
+// block's scale). Every lane of the warp calls it (the quantization's max is over lanes).
+template <ggml_type TK, int E>
+static __device__ __forceinline__ float sfi_query_lane(float (&x)[E]) {
+    if constexpr (sfi_quantized(TK)) {
+        return sfi_quantize_q8_0<E>(x, QK8_0/E);
+    } else {
+#pragma unroll
+        for (int e = 0; e < E; ++e) {
+            x[e] = __half2float(__float2half_rn(x[e]));
+        }
+        return 1.0f;
+    }
+}
+
 // the scores of the rows j0 .. j0 + n_qc - 1 of n_q (as many as shared memory holds) for the block's cells, and per
 // row the block's (max, sum of exp(s - max)) in parts[(pair*n_blocks + block)*n_q + j]; with kn (and j0 == 0) the
-// norm of each key in kn[(b*n_kv + c)*n_head_kv + h]
-template <int D, typename TM>
+// norm of each key in kn[(b*n_kv + c)*n_head_kv + h]. Quantized keys: each thread reads its key block by block, and
+// shared memory holds the rows quantized (their integers, then each block's scale)
+template <int D, typename TM, ggml_type TK>
 static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_scores(
         const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
         float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ kn,
@@ -44,7 +218,7 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
         const size_t nbm0, const size_t nbm1, const size_t nbm3) {
     constexpr int CHUNKS = D/8; // 16-byte loads of a key
 
-    extern __shared__ float q_s[]; // [n_qc][D]
+    extern __shared__ float q_s[]; // [n_qc][D], then for quantized keys the scales [n_qc][D/QK8_0]
     __shared__ float buf_max[WARP_SIZE];
     __shared__ float buf_sum[WARP_SIZE];
 
@@ -55,18 +229,39 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
     const int bl   = blockIdx.z;
     const int b    = b0 + bl;
 
-    for (int i = threadIdx.x; i < n_qc*D; i += blockDim.x) {
-        const int j = j0 + i / D;
-        const int d = i % D;
-        // rounded to F16, as the attention's and cuBLAS's products of F16 keys round them
-        q_s[i] = __half2float(__float2half_rn(*(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + d*sizeof(float))));
+    constexpr int NBLK = D/QK8_0;
+    float * qd_s = q_s + n_qc*D;
+    if constexpr (sfi_quantized(TK)) {
+        for (int i = threadIdx.x; i < n_qc*NBLK; i += blockDim.x) {
+            const int jl  = i / NBLK;
+            const int blk = i % NBLK;
+            const float * x = (const float *) (q + (j0 + jl)*nbq1 + h*nbq2 + b*nbq3) + blk*QK8_0;
+            float xb[QK8_0];
+#pragma unroll
+            for (int e = 0; e < QK8_0; ++e) {
+                xb[e] = x[e];
+            }
+            qd_s[i] = sfi_quantize_q8_0<QK8_0>(xb, 1);
+#pragma unroll
+            for (int e = 0; e < QK8_0; ++e) {
+                q_s[jl*D + blk*QK8_0 + e] = xb[e];
+            }
+        }
+    } else {
+        for (int i = threadIdx.x; i < n_qc*D; i += blockDim.x) {
+            const int j = j0 + i / D;
+            const int d = i % D;
+            // rounded to F16, as the attention's and cuBLAS's products of F16 keys round them
+            q_s[i] = __half2float(__float2half_rn(*(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + d*sizeof(float))));
+        }
     }
     __syncthreads();
 
     const int  c     = tile*SFI_CELLS_PER_BLOCK + threadIdx.x;
     const bool valid = c < n_kv;
 
-    const uint4 * kc = (const uint4 *) (k + (size_t) (valid ? c : 0)*nbk1 + h*nbk2 + b*nbk3);
+    const char  * k_row = k + (size_t) (valid ? c : 0)*nbk1 + h*nbk2 + b*nbk3;
+    const uint4 * kc    = (const uint4 *) k_row;
 
     const size_t pair = (size_t) bl*n_head_kv + h;
 
@@ -81,33 +276,71 @@ static __global__ void __launch_bounds__(SFI_CELLS_PER_BLOCK) sfi_evidence_score
         float acc[SFI_ROWS_PER_PASS] = { 0.0f };
         float sq = 0.0f;
 
+        if constexpr (sfi_quantized(TK)) {
+            using block_t = std::conditional_t<TK == GGML_TYPE_Q8_0, block_q8_0, block_q4_0>;
+#pragma unroll 1
+            for (int blk = 0; blk < NBLK; ++blk) {
+                float kf[32];
+                float dk = 0.0f;
+                if (valid) {
+                    dk = sfi_load_block<TK>(k_row + blk*sizeof(block_t), kf);
+                } else {
 #pragma unroll
-        for (int ch0 = 0; ch0 < CHUNKS; ch0 += 8) {
-            // eight 16-byte loads in flight per thread
-            uint4 kv[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                kv[e] = valid ? kc[ch0 + e] : make_uint4(0, 0, 0, 0);
-            }
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const half2 * k2 = (const half2 *) &kv[e];
-                const float2 k01 = __half22float2(k2[0]);
-                const float2 k23 = __half22float2(k2[1]);
-                const float2 k45 = __half22float2(k2[2]);
-                const float2 k67 = __half22float2(k2[3]);
+                    for (int e = 0; e < 32; ++e) {
+                        kf[e] = 0.0f;
+                    }
+                }
                 if (norms && r0 == 0) {
-                    sq += k01.x*k01.x + k01.y*k01.y + k23.x*k23.x + k23.y*k23.y
-                        + k45.x*k45.x + k45.y*k45.y + k67.x*k67.x + k67.y*k67.y;
+                    float sb = 0.0f;
+#pragma unroll
+                    for (int e = 0; e < 32; ++e) {
+                        sb += kf[e]*kf[e];
+                    }
+                    sq += dk*dk*sb;
                 }
 #pragma unroll
                 for (int r = 0; r < SFI_ROWS_PER_PASS; ++r) {
                     if (r < nr) {
-                        const float4 * qr = (const float4 *) (q_s + (r0 + r)*D + (ch0 + e)*8);
-                        const float4 qa = qr[0];
-                        const float4 qb = qr[1];
-                        acc[r] += qa.x*k01.x + qa.y*k01.y + qa.z*k23.x + qa.w*k23.y
-                                + qb.x*k45.x + qb.y*k45.y + qb.z*k67.x + qb.w*k67.y;
+                        const float4 * qr = (const float4 *) (q_s + (r0 + r)*D + blk*QK8_0);
+                        float p = 0.0f;
+#pragma unroll
+                        for (int e = 0; e < 8; ++e) {
+                            const float4 qa = qr[e];
+                            p += qa.x*kf[4*e] + qa.y*kf[4*e + 1] + qa.z*kf[4*e + 2] + qa.w*kf[4*e + 3];
+                        }
+                        acc[r] += p*dk*qd_s[(r0 + r)*NBLK + blk];
+                    }
+                }
+            }
+        } else {
+#pragma unroll
+            for (int ch0 = 0; ch0 < CHUNKS; ch0 += 8) {
+                // eight 16-byte loads in flight per thread
+                uint4 kv[8];
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    kv[e] = valid ? kc[ch0 + e] : make_uint4(0, 0, 0, 0);
+                }
+#pragma unroll
+                for (int e = 0; e < 8; ++e) {
+                    const half2 * k2 = (const half2 *) &kv[e];
+                    const float2 k01 = __half22float2(k2[0]);
+                    const float2 k23 = __half22float2(k2[1]);
+                    const float2 k45 = __half22float2(k2[2]);
+                    const float2 k67 = __half22float2(k2[3]);
+                    if (norms && r0 == 0) {
+                        sq += k01.x*k01.x + k01.y*k01.y + k23.x*k23.x + k23.y*k23.y
+                            + k45.x*k45.x + k45.y*k45.y + k67.x*k67.x + k67.y*k67.y;
+                    }
+#pragma unroll
+                    for (int r = 0; r < SFI_ROWS_PER_PASS; ++r) {
+                        if (r < nr) {
+                            const float4 * qr = (const float4 *) (q_s + (r0 + r)*D + (ch0 + e)*8);
+                            const float4 qa = qr[0];
+                            const float4 qb = qr[1];
+                            acc[r] += qa.x*k01.x + qa.y*k01.y + qa.z*k23.x + qa.w*k23.y
+                                    + qb.x*k45.x + qb.y*k45.y + qb.z*k67.x + qb.w*k67.y;
+                        }
                     }
                 }
             }
@@ -156,42 +389,35 @@ static __device__ __forceinline__ void sfi_butterfly(float * v, const int lane) 
     }
 }
 
-// the lane's E elements of each of the CPI rows c0 .. c0+CPI-1 at base + c*nb1 (past n_kv, the last row again): all
-// the loads first
-template <int E, int CPI>
-static __device__ __forceinline__ void sfi_warp_load_rows(half2 (&rows)[CPI][E/2], const char * base, const int c0, const int n_kv,
-        const size_t nb1) {
+// the lane's elements of each of the CPI rows c0 .. c0+CPI-1 at base + c*nb1 (base: the lane's offset in a row
+// added; past n_kv, the last row again): all the loads first
+template <ggml_type T, int E, int CPI>
+static __device__ __forceinline__ void sfi_warp_load_rows(sfi_lane_kv<T, E> (&rows)[CPI], const char * base, const int c0, const int n_kv,
+        const size_t nb1, const int lane) {
 #pragma unroll
     for (int i = 0; i < CPI; ++i) {
         const int c = min(c0 + i, n_kv - 1);
-        if constexpr (E == 2) {
-            *(uint32_t *) rows[i] = *(const uint32_t *) (base + (size_t) c*nb1);
-        } else if constexpr (E == 4) {
-            *(uint2 *) rows[i] = *(const uint2 *) (base + (size_t) c*nb1);
-        } else {
-            *(uint4 *) rows[i] = *(const uint4 *) (base + (size_t) c*nb1);
-        }
+        rows[i].load(base + (size_t) c*nb1, lane);
     }
 }
 
-// the products of NQ query rows with CPI keys, a lane's E elements of each: the 32 partial sums (cell*NQ + row) summed
-// over the warp, lane l then holding value l; and each key's partial sum of squares of the lane's elements in sq
-template <int E, int NQ, int CPI>
-static __device__ __forceinline__ void sfi_warp_scores(const float (&qr)[NQ][E], const half2 (&kh)[CPI][E/2],
+// the products of NQ query rows (qd: their blocks' scales, for quantized keys) with CPI keys, a lane's E elements of
+// each: the 32 partial sums (cell*NQ + row) summed over the warp, lane l then holding value l; and each key's partial
+// sum of squares of the lane's elements in sq
+template <ggml_type TK, int E, int NQ, int CPI>
+static __device__ __forceinline__ void sfi_warp_scores(const float (&qr)[NQ][E], const float (&qd)[NQ], const sfi_lane_kv<TK, E> (&kc)[CPI],
         float (&v)[WARP_SIZE], float (&sq)[CPI], const int lane) {
 #pragma unroll
     for (int i = 0; i < CPI; ++i) {
         float kf[E];
-#pragma unroll
-        for (int e = 0; e < E/2; ++e) {
-            const float2 f = __half22float2(kh[i][e]);
-            kf[2*e]     = f.x;
-            kf[2*e + 1] = f.y;
-        }
+        kc[i].values(kf);
         sq[i] = 0.0f;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
             sq[i] += kf[e]*kf[e];
+        }
+        if constexpr (sfi_quantized(TK)) {
+            sq[i] *= kc[i].d*kc[i].d;
         }
 #pragma unroll
         for (int j = 0; j < NQ; ++j) {
@@ -199,6 +425,9 @@ static __device__ __forceinline__ void sfi_warp_scores(const float (&qr)[NQ][E],
 #pragma unroll
             for (int e = 0; e < E; ++e) {
                 acc += qr[j][e]*kf[e];
+            }
+            if constexpr (sfi_quantized(TK)) {
+                acc *= kc[i].d*qd[j];
             }
             v[i*NQ + j] = acc;
         }
@@ -227,7 +456,7 @@ static __device__ __forceinline__ void sfi_warp_key_norms(float (&sq)[CPI], cons
 // dot products of each lane (cells x rows) are summed over the warp by a butterfly that leaves lane l with value l
 // (31 shuffles for 32 sums). Each lane keeps the running max and sum of exp of its row for the block's part. With kn,
 // each key's sum of squares is summed the same way (the 32/NQ cells' sums: log2(32/NQ) halvings and the rest plain).
-template <int D, int NQ, typename TM>
+template <int D, int NQ, typename TM, ggml_type TK>
 static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_scores_warp(
         const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ mask,
         float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ kn,
@@ -250,21 +479,22 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
 
-    // the lane's elements of each query row, rounded to F16 as the attention rounds them (rows past n_q: zeros)
+    // the lane's elements of each query row, as the attention's products take them (rows past n_q: zeros)
     float qr[NQ][E];
+    float qd[NQ];
 #pragma unroll
     for (int j = 0; j < NQ; ++j) {
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            qr[j][e] = j < n_q ? __half2float(__float2half_rn(
-                *(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + (lane*E + e)*sizeof(float)))) : 0.0f;
+            qr[j][e] = j < n_q ? *(const float *) (q + j*nbq1 + h*nbq2 + b*nbq3 + (lane*E + e)*sizeof(float)) : 0.0f;
         }
+        qd[j] = sfi_query_lane<TK, E>(qr[j]);
     }
 
     const size_t pair = (size_t) bl*n_head_kv + h;
 
     float * s_out = scores + pair*n_q*n_kv;
-    const char * k_base = k + h*nbk2 + b*nbk3 + lane*E*sizeof(half);
+    const char * k_base = k + h*nbk2 + b*nbk3 + sfi_lane_kv<TK, E>::lane_offset(lane);
     const char * m_base = mask + (b % nm)*nbm3;
 
     // after the butterfly, lane l holds the sum of value l = cell*NQ + row
@@ -279,12 +509,12 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
     for (int it = 0; it < CELLS_PER_WARP; it += CPI) {
         const int c0 = c_warp + it;
 
-        half2 kh[CPI][E/2];
-        sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
+        sfi_lane_kv<TK, E> kh[CPI];
+        sfi_warp_load_rows<TK, E, CPI>(kh, k_base, c0, n_kv, nbk1, lane);
 
         float v[WARP_SIZE];
         float sq[CPI];
-        sfi_warp_scores<E, NQ, CPI>(qr, kh, v, sq, lane);
+        sfi_warp_scores<TK, E, NQ, CPI>(qr, qd, kh, v, sq, lane);
 
         if (kn) {
             sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
@@ -404,20 +634,22 @@ bool ggml_cuda_sfi_evidence_supported(const ggml_tensor * op) {
     const ggml_tensor * mask = op->src[2];
 
     const int64_t D = q->ne[0];
-    if (k->type != GGML_TYPE_F16 || (D != 64 && D != 128 && D != 256) || q->nb[0] != sizeof(float)) {
+    if (!sfi_kv_type_supported(k->type) || (D != 64 && D != 128 && D != 256) || q->nb[0] != sizeof(float)) {
         return false;
     }
     if (mask->type != GGML_TYPE_F16 && mask->type != GGML_TYPE_F32) {
         return false;
     }
-    // keys are read 16 bytes at a time
-    if (k->nb[1] % 16 || k->nb[2] % 16 || k->nb[3] % 16 || k->view_offs % 16 || q->nb[1] % 4 || q->nb[2] % 4 || q->nb[3] % 4) {
+    // F16 keys are read 16 bytes at a time, the blocks of quantized ones 2 bytes at a time
+    const size_t align = k->type == GGML_TYPE_F16 ? 16 : 2;
+    if (k->nb[1] % align || k->nb[2] % align || k->nb[3] % align || k->view_offs % align ||
+            q->nb[1] % 4 || q->nb[2] % 4 || q->nb[3] % 4) {
         return false;
     }
     return (k->ne[1] + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK <= 65535; // tiles of cells are the grid's y
 }
 
-template <int D>
+template <int D, ggml_type TK>
 static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, float2 * parts, float * kn, int b0, int nbl, cudaStream_t stream) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
@@ -438,12 +670,12 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
         auto launch = [&](auto nq) {
             constexpr int NQ = decltype(nq)::value;
             if (mask->type == GGML_TYPE_F16) {
-                sfi_evidence_scores_warp<D, NQ, half><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+                sfi_evidence_scores_warp<D, NQ, half, TK><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
                     (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                     n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                     q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
             } else {
-                sfi_evidence_scores_warp<D, NQ, float><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+                sfi_evidence_scores_warp<D, NQ, float, TK><<<grid_w, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
                     (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                     n_q, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                     q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
@@ -463,22 +695,45 @@ static void sfi_evidence_scores_launch(const ggml_tensor * dst, float * scores, 
 
     // the query rows that fit in shared memory at a time (every row of a decode step; the keys are read again per
     // chunk only for the many rows of a prompt's bootstrap)
-    const int n_q_chunk = (int) (SFI_Q_SHARED_MAX/(D*sizeof(float)));
+    // (a row of quantized values carries its blocks' scales)
+    const size_t row_bytes = (D + (sfi_quantized(TK) ? D/QK8_0 : 0))*sizeof(float);
+    const int    n_q_chunk = (int) (SFI_Q_SHARED_MAX/row_bytes);
 
     for (int j0 = 0; j0 < n_q; j0 += n_q_chunk) {
         const int    n_qc = std::min(n_q_chunk, n_q - j0);
-        const size_t smem = (size_t) n_qc*D*sizeof(float);
+        const size_t smem = (size_t) n_qc*row_bytes;
         if (mask->type == GGML_TYPE_F16) {
-            sfi_evidence_scores<D, half><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
+            sfi_evidence_scores<D, half, TK><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
                 (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         } else {
-            sfi_evidence_scores<D, float><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
+            sfi_evidence_scores<D, float, TK><<<grid, SFI_CELLS_PER_BLOCK, smem, stream>>>(
                 (const char *) q->data, (const char *) k->data, (const char *) mask->data, scores, parts, kn,
                 n_q, j0, n_qc, n_rows, n_kv, n_head_kv, b0, mask->ne[3], softcap,
                 q->nb[1], q->nb[2], q->nb[3], k->nb[1], k->nb[2], k->nb[3], mask->nb[0], mask->nb[1], mask->nb[3]);
         }
+    }
+}
+
+template <ggml_type TK>
+static void sfi_evidence_scores_dispatch(const ggml_tensor * dst, int64_t D, float * scores, float2 * parts, float * kn, int b0, int nbl,
+        cudaStream_t stream) {
+    switch (D) {
+        case  64: sfi_evidence_scores_launch< 64, TK>(dst, scores, parts, kn, b0, nbl, stream); break;
+        case 128: sfi_evidence_scores_launch<128, TK>(dst, scores, parts, kn, b0, nbl, stream); break;
+        case 256: sfi_evidence_scores_launch<256, TK>(dst, scores, parts, kn, b0, nbl, stream); break;
+        default: GGML_ABORT("unsupported head size");
+    }
+}
+
+static void sfi_evidence_scores_dispatch(const ggml_tensor * dst, int64_t D, ggml_type type_k, float * scores, float2 * parts, float * kn,
+        int b0, int nbl, cudaStream_t stream) {
+    switch (type_k) {
+        case GGML_TYPE_F16:  sfi_evidence_scores_dispatch<GGML_TYPE_F16 >(dst, D, scores, parts, kn, b0, nbl, stream); break;
+        case GGML_TYPE_Q8_0: sfi_evidence_scores_dispatch<GGML_TYPE_Q8_0>(dst, D, scores, parts, kn, b0, nbl, stream); break;
+        case GGML_TYPE_Q4_0: sfi_evidence_scores_dispatch<GGML_TYPE_Q4_0>(dst, D, scores, parts, kn, b0, nbl, stream); break;
+        default: GGML_ABORT("unsupported key type");
     }
 }
 
@@ -514,12 +769,7 @@ void ggml_cuda_op_sfi_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * ds
     for (int64_t b0 = 0; b0 < nb; b0 += nbl_max) {
         const int nbl = (int) std::min<int64_t>(nbl_max, nb - b0);
 
-        switch (D) {
-            case  64: sfi_evidence_scores_launch< 64>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
-            case 128: sfi_evidence_scores_launch<128>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
-            case 256: sfi_evidence_scores_launch<256>(dst, scores.get(), parts.get(), kn, b0, nbl, stream); break;
-            default: GGML_ABORT("unsupported head size");
-        }
+        sfi_evidence_scores_dispatch(dst, D, k->type, scores.get(), parts.get(), kn, (int) b0, nbl, stream);
         CUDA_CHECK(cudaGetLastError());
 
         sfi_evidence_row_stats<<<dim3(n_q, n_head_kv, nbl), SFI_ROW_THREADS, 0, stream>>>(
@@ -1114,8 +1364,8 @@ void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * d
     CUDA_CHECK(cudaGetLastError());
 }
 
-// ggml_sfi_flash_attn_evidence for a decode step's few query rows per KV head (n_q = n_gqa*n_tokens <= NQ <= 8), F16
-// keys and values, in three kernels per chunk of (head, stream) pairs:
+// ggml_sfi_flash_attn_evidence for a decode step's few query rows per KV head (n_q = n_gqa*n_tokens <= NQ <= 8), keys
+// and values of one type T (F16, Q8_0 or Q4_0), in three kernels per chunk of (head, stream) pairs:
 //   partial:  the keys read as sfi_evidence_scores_warp reads them (a warp 32/NQ cells at a time, each lane D/32
 //             elements of a row), and each cell's value row; a block takes every gridDim.y-th tile of 256 cells (a
 //             few parts per pair keep the combine short: merging one part per tile took as long as the attention), each
@@ -1124,7 +1374,7 @@ void ggml_cuda_op_sfi_copy_rows(ggml_backend_cuda_context & ctx, ggml_tensor * d
 //             scores and the key norms
 //   combine:  per query row, the blocks' parts merged into the output, and the row's max and sum^-alpha
 //   evidence: per cell, sfi_evidence_sum (ggml_sfi_evidence's)
-template <int D, int NQ>
+template <int D, int NQ, ggml_type T>
 static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial(
         const char * __restrict__ q, const char * __restrict__ k, const char * __restrict__ v, const char * __restrict__ mask,
         float * __restrict__ scores, float2 * __restrict__ parts, float * __restrict__ part_out, float * __restrict__ kn,
@@ -1148,23 +1398,25 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
     const int lane = threadIdx.x % WARP_SIZE;
     const int warp = threadIdx.x / WARP_SIZE;
 
-    // the lane's elements of each query row, scaled (row j = g*n_tokens + t: query head h*n_gqa + g at token t)
+    // the lane's elements of each query row, scaled (row j = g*n_tokens + t: query head h*n_gqa + g at token t), and
+    // rounded as ggml_sfi_evidence rounds them (its scores, and those of flash attention's products)
     float qr[NQ][E];
+    float qd[NQ];
 #pragma unroll
     for (int j = 0; j < NQ; ++j) {
         const char * qj = q + (j % n_tokens)*nbq1 + (h*n_gqa + j/n_tokens)*nbq2 + b*nbq3;
 #pragma unroll
         for (int e = 0; e < E; ++e) {
-            // rounded to F16 as ggml_sfi_evidence rounds them (its scores, and those of flash attention's F16 products)
-            qr[j][e] = j < n_q ? __half2float(__float2half_rn(s_scale*((const float *) qj)[lane*E + e])) : 0.0f;
+            qr[j][e] = j < n_q ? s_scale*((const float *) qj)[lane*E + e] : 0.0f;
         }
+        qd[j] = sfi_query_lane<T, E>(qr[j]);
     }
 
     const size_t pair = (size_t) bl*n_head_kv + h;
 
     float * s_out = scores + pair*n_q*n_kv;
-    const char * k_base = k + h*nbk2 + b*nbk3 + lane*E*sizeof(half);
-    const char * v_base = v + h*nbv2 + b*nbv3 + lane*E*sizeof(half);
+    const char * k_base = k + h*nbk2 + b*nbk3 + sfi_lane_kv<T, E>::lane_offset(lane);
+    const char * v_base = v + h*nbv2 + b*nbv3 + sfi_lane_kv<T, E>::lane_offset(lane);
     const char * m_base = mask + (b % nm)*nbm3;
 
     const int my_row  = lane % NQ; // after the butterfly, lane l holds the score of (cell l/NQ, row l%NQ)
@@ -1195,14 +1447,14 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
                 break; // the same for the whole warp
             }
 
-            half2 kh[CPI][E/2];
-            half2 vh[CPI][E/2];
-            sfi_warp_load_rows<E, CPI>(kh, k_base, c0, n_kv, nbk1);
-            sfi_warp_load_rows<E, CPI>(vh, v_base, c0, n_kv, nbv1);
+            sfi_lane_kv<T, E> kh[CPI];
+            sfi_lane_kv<T, E> vh[CPI];
+            sfi_warp_load_rows<T, E, CPI>(kh, k_base, c0, n_kv, nbk1, lane);
+            sfi_warp_load_rows<T, E, CPI>(vh, v_base, c0, n_kv, nbv1, lane);
 
             float sv[WARP_SIZE];
             float sq[CPI];
-            sfi_warp_scores<E, NQ, CPI>(qr, kh, sv, sq, lane);
+            sfi_warp_scores<T, E, NQ, CPI>(qr, qd, kh, sv, sq, lane);
 
             if (kn) {
                 sfi_warp_key_norms<CPI>(sq, lane, kn, b, h, c0, n_kv, n_head_kv);
@@ -1245,19 +1497,18 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_fae_partial
 #pragma unroll
             for (int i = 0; i < CPI; ++i) {
                 float vf[E];
-#pragma unroll
-                for (int e = 0; e < E/2; ++e) {
-                    const float2 f = __half22float2(vh[i][e]);
-                    vf[2*e]     = f.x;
-                    vf[2*e + 1] = f.y;
-                }
+                vh[i].values(vf);
 #pragma unroll
                 for (int j = 0; j < NQ; ++j) {
                     const float w = p_s[warp][i*NQ + j];
                     s_run[j] += w;
+                    float wv = w;
+                    if constexpr (sfi_quantized(T)) {
+                        wv *= vh[i].d;
+                    }
 #pragma unroll
                     for (int e = 0; e < E; ++e) {
-                        o_run[j][e] += w*vf[e];
+                        o_run[j][e] += wv*vf[e];
                     }
                 }
             }
@@ -1355,13 +1606,14 @@ bool ggml_cuda_sfi_flash_attn_evidence_supported(const ggml_tensor * op) {
 
     const int64_t D   = q->ne[0];
     const int64_t n_q = q->ne[1]*(q->ne[2]/k->ne[2]);
-    if (k->type != GGML_TYPE_F16 || v->type != GGML_TYPE_F16 || mask->type != GGML_TYPE_F16 || v->ne[0] != D) {
+    if (!sfi_kv_type_supported(k->type) || v->type != k->type || mask->type != GGML_TYPE_F16 || v->ne[0] != D) {
         return false;
     }
     if ((D != 64 && D != 128 && D != 256) || n_q > 8 || q->nb[0] != sizeof(float) || mask->nb[0] != sizeof(half)) {
         return false;
     }
-    const size_t align = D/WARP_SIZE*sizeof(half); // a lane's load of a row
+    // a lane's load of a row: D/32 F16 values at once, or the values of a quantized block 2 bytes at a time
+    const size_t align = k->type == GGML_TYPE_F16 ? D/WARP_SIZE*sizeof(half) : 2;
     for (const ggml_tensor * t : { k, v }) {
         if (t->nb[1] % align || t->nb[2] % align || t->nb[3] % align || t->view_offs % align) {
             return false;
@@ -1370,18 +1622,18 @@ bool ggml_cuda_sfi_flash_attn_evidence_supported(const ggml_tensor * op) {
     return (k->ne[1] + SFI_CELLS_PER_BLOCK - 1)/SFI_CELLS_PER_BLOCK <= 65535 && q->ne[3] <= 65535;
 }
 
-// the blocks of sfi_fae_partial<D, NQ> an SM holds at once (its registers decide: 3 or 4 on sm_90)
-template <int D, int NQ>
+// the blocks of sfi_fae_partial<D, NQ, T> an SM holds at once (its registers decide: 3 or 4 on sm_90 for F16)
+template <int D, int NQ, ggml_type T>
 static int sfi_fae_blocks_per_sm() {
     static const int n = [] {
         int blocks = 0;
-        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sfi_fae_partial<D, NQ>, SFI_WARP_BLOCK_THREADS, 0));
+        CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, sfi_fae_partial<D, NQ, T>, SFI_WARP_BLOCK_THREADS, 0));
         return std::max(1, blocks);
     }();
     return n;
 }
 
-template <int D>
+template <int D, ggml_type T>
 static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
@@ -1416,8 +1668,8 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
 
     // parts per (head, stream) pair: as many blocks as the SMs hold at once, and no more (every block takes about
     // the same time, so a second wave of a few blocks would take nearly as long as the first)
-    const int bps     = n_q <= 1 ? sfi_fae_blocks_per_sm<D, 1>() : n_q <= 2 ? sfi_fae_blocks_per_sm<D, 2>() :
-                        n_q <= 4 ? sfi_fae_blocks_per_sm<D, 4>() : sfi_fae_blocks_per_sm<D, 8>();
+    const int bps     = n_q <= 1 ? sfi_fae_blocks_per_sm<D, 1, T>() : n_q <= 2 ? sfi_fae_blocks_per_sm<D, 2, T>() :
+                        n_q <= 4 ? sfi_fae_blocks_per_sm<D, 4, T>() : sfi_fae_blocks_per_sm<D, 8, T>();
     const int nsm     = ggml_cuda_info().devices[ctx.device].nsm;
     const int n_parts = std::max(1, std::min(n_tiles, bps*nsm/(n_head_kv*nbl_max)));
 
@@ -1432,7 +1684,7 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
         const dim3 grid(n_head_kv, n_parts, nbl);
         auto launch = [&](auto nq) {
             constexpr int NQ = decltype(nq)::value;
-            sfi_fae_partial<D, NQ><<<grid, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
+            sfi_fae_partial<D, NQ, T><<<grid, SFI_WARP_BLOCK_THREADS, 0, stream>>>(
                 (const char *) q->data, (const char *) k->data, (const char *) v->data, (const char *) mask->data,
                 scores.get(), parts.get(), part_out.get(), kn,
                 n_q, n_tokens, n_gqa, n_kv, n_head_kv, b0, (int) mask->ne[3], s_scale, softcap,
@@ -1460,14 +1712,24 @@ static void sfi_fae_launch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     }
 }
 
+template <ggml_type T>
+static void sfi_fae_dispatch(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
+    switch (dst->src[0]->ne[0]) {
+        case  64: sfi_fae_launch< 64, T>(ctx, dst); break;
+        case 128: sfi_fae_launch<128, T>(ctx, dst); break;
+        case 256: sfi_fae_launch<256, T>(ctx, dst); break;
+        default: GGML_ABORT("unsupported head size");
+    }
+}
+
 void ggml_cuda_op_sfi_flash_attn_evidence(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     GGML_ASSERT(ggml_cuda_sfi_flash_attn_evidence_supported(dst));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
 
-    switch (dst->src[0]->ne[0]) {
-        case  64: sfi_fae_launch< 64>(ctx, dst); break;
-        case 128: sfi_fae_launch<128>(ctx, dst); break;
-        case 256: sfi_fae_launch<256>(ctx, dst); break;
-        default: GGML_ABORT("unsupported head size");
+    switch (dst->src[1]->type) {
+        case GGML_TYPE_F16:  sfi_fae_dispatch<GGML_TYPE_F16 >(ctx, dst); break;
+        case GGML_TYPE_Q8_0: sfi_fae_dispatch<GGML_TYPE_Q8_0>(ctx, dst); break;
+        case GGML_TYPE_Q4_0: sfi_fae_dispatch<GGML_TYPE_Q4_0>(ctx, dst); break;
+        default: GGML_ABORT("unsupported key type");
     }
 }
