@@ -71,7 +71,7 @@ class LlamaContext:
     sequence (batched SFI, `sfi_gguf.batched`); `sequence(s)` gives the handle of sequence s.
     """
 
-    KV_TYPES = {"f16": 1, "q8_0": 8, "bf16": 30, "f32": 0}
+    KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "bf16": 30, "f32": 0}
 
     SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 
@@ -204,7 +204,7 @@ class LlamaContext:
         n_layer = llama_cpp.llama_model_n_layer(self.model)
         n_head_kv = llama_cpp.llama_model_n_head_kv(self.model) or self.n_head
         head_dim = llama_cpp.llama_model_n_embd(self.model) // max(1, self.n_head)
-        kv_bytes = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625}.get(type_kv, 2)
+        kv_bytes = {"f32": 4, "f16": 2, "bf16": 2, "q8_0": 1.0625, "q4_0": 0.5625}.get(type_kv, 2)
         per_cell = 40 + (2 * n_layer * n_head_kv * head_dim * kv_bytes if n_gpu_layers == 0 else 0)
         need = n_ctx * per_cell
         if need > available:

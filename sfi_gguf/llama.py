@@ -63,6 +63,7 @@ class SFILlama:
     offloaded layers on several GPUs as in llama-cpp-python's `Llama`; SFI needs whole layers on one
     device ("layer" or "none"). `rpc_servers` ("host:port" of llama.cpp `rpc-server` processes, a list
     or comma-separated; needs a library built with GGML_RPC) adds their devices before the local GPUs.
+    `type_kv`: the KV cache's type, "f16" (the default), "q8_0", "bf16" or "f32".
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
@@ -70,7 +71,7 @@ class SFILlama:
                  flash_attn: bool = True, verbose: bool = False, progress: bool = False,
                  sfi: SFIConfig | str | bool | None = True, split_mode: str = "layer", main_gpu: int = 0,
                  tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None,
-                 n_parallel: int = 1):
+                 n_parallel: int = 1, type_kv: str = "f16"):
         _check_int("n_ctx", n_ctx, 0, "(0 = the model's training context)")
         _check_int("n_batch", n_batch, 1)
         _check_int("n_parallel", n_parallel, 1)
@@ -94,7 +95,7 @@ class SFILlama:
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose, split_mode=split_mode,
                                  main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers,
-                                 n_seq_max=n_parallel)
+                                 n_seq_max=n_parallel, type_kv=type_kv)
         try:
             _check_fits(self.sfi_config, self._ctx.n_ctx)
         except ValueError:

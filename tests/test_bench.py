@@ -110,6 +110,19 @@ def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeyp
 
 
 @pytest.mark.real_model
+def test_a_quantized_cache_is_benched_and_recorded(model):
+    """`--type-kv q8_0`: dense and SFI over a Q8_0 KV cache (flash attention on, as a quantized V needs), the row
+    and the table say so."""
+    from sfi_gguf.tools.bench import markdown_table
+
+    assert build_parser().parse_args(["--type-kv", "q8_0"]).type_kv == "q8_0"
+    config = SFIConfig(k_head=64, n_recent=64, min_context=0)
+    row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, type_kv="q8_0", log=lambda _: None)[0]
+    assert row.type_kv == "q8_0" and row.flash_attn and row.dense_tok_s > 0 and row.sfi_tok_s > 0
+    assert "KV cache q8_0" in markdown_table([row])
+
+
+@pytest.mark.real_model
 def test_staggered_sequences_refresh_on_different_steps(model):
     """`--batch N --stagger S`: started S steps apart, the sequences' refreshes (on random weights one every
     16 steps after the last) fall on different steps, so the timed steps mix slow and fast sequences; a row

@@ -79,6 +79,7 @@ class BenchRow:
     #                                     attention + the evidence op even on a GPU; None: the default)
     keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
     cuda_graphs_disabled: bool = False  # GGML_CUDA_DISABLE_GRAPHS set: every graph launched kernel by kernel
+    type_kv: str = "f16"           # the KV cache's type (keys and values)
 
 
 def config_overrides(config: SFIConfig) -> dict:
@@ -203,7 +204,7 @@ def _budget(config: SFIConfig, depth: int) -> int:
 
 
 def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | None, flash_attn: bool | None,
-          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1):
+          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1, type_kv: str = "f16"):
     """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
     `shared`: the row fields every depth has in common but the git commit and the hardware."""
     from ..context import default_threads
@@ -213,15 +214,16 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
     config = config or SFIConfig()
     depths = sorted(int(d) for d in depths)
     if flash_attn is None:  # the faster dense setting: flash attention on a GPU, plain attention on a CPU
-        flash_attn = n_gpu_layers != 0
+        flash_attn = n_gpu_layers != 0 or type_kv in ("q8_0", "q4_0")  # (a quantized V cache needs it)
     llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                    n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
-                   n_parallel=n_parallel)
+                   n_parallel=n_parallel, type_kv=type_kv)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
     effective = llm.effective_config(config, batched=n_parallel > 1)  # with the GPU defaults filled in
     shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,
                   n_gpu_layers=n_gpu_layers, n_threads=n_threads or default_threads(), policy=config.policy,
-                  batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, selection_delay=effective.selection_delay,
+                  batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, type_kv=type_kv,
+                  selection_delay=effective.selection_delay,
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
                   refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
                   composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0",
@@ -234,7 +236,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
 def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
               n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
               flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
-              split_mode: str = "layer", confidence_trace: dict | None = None,
+              split_mode: str = "layer", confidence_trace: dict | None = None, type_kv: str = "f16",
               log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
 
@@ -243,7 +245,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
-                                        split_mode=split_mode)
+                                        split_mode=split_mode, type_kv=type_kv)
     ctx = llm.context
     try:
         text = text_tokens(llm, depths[-1] + n_decode)
@@ -329,7 +331,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
                       n_threads: int | None = None, flash_attn: bool | None = None,
                       config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
-                      stagger: int = 0, log: Callable[[str], None] = print) -> list[BenchRow]:
+                      stagger: int = 0, type_kv: str = "f16", log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps).
 
@@ -343,7 +345,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
 
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
-                                        split_mode=split_mode, n_parallel=batch)
+                                        split_mode=split_mode, n_parallel=batch, type_kv=type_kv)
     decoder = llm.batched_decoder()
     try:
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
@@ -428,7 +430,7 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     batch = f"{r0.batch} sequences (aggregate tok/s), " if r0.batch > 1 else ""
     head = (f"{r0.hardware}, {batch}{r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
-            f"commit {r0.git_commit}")
+            f"KV cache {r0.type_kv}, commit {r0.git_commit}")
     sep = "|---" * (HEADER.count("|") - 1) + "|"
     return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
 
@@ -481,6 +483,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --batch: start sequence i i x STAGGER steps after the first and time only the steps "
                         "in which all decode, so that their refreshes fall on different steps (as a server's "
                         "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap)")
+    p.add_argument("--type-kv", default="f16", choices=["f16", "q8_0", "q4_0", "bf16", "f32"],
+                   help="the KV cache's type (keys and values; a quantized V needs flash attention)")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -519,8 +523,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                   n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                   flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
                   split_mode=args.split_mode)
-    rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, **kwargs) if args.batch > 1
-            else run_bench(model, confidence_trace=trace, **kwargs))
+    rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
+            if args.batch > 1 else run_bench(model, confidence_trace=trace, type_kv=args.type_kv, **kwargs))
     print()
     print(markdown_table(rows))
     if args.markdown:
@@ -531,6 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if results.is_dir():
             kind = "gpu" if args.n_gpu_layers else "cpu"
             batch = f"-batch{args.batch}" if args.batch > 1 else ""
+            batch += f"-kv-{args.type_kv}" if args.type_kv != "f16" else ""
             out = results / f"bench-{kind}-{shape or Path(str(model)).stem}{batch}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if out:
         print(f"wrote {write_json(rows, Path(out))}")
