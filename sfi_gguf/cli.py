@@ -6,6 +6,7 @@ import importlib
 import json
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 # The benchmark and evaluation tooling (sfi_gguf.tools): each verb's module parses its own options
@@ -216,8 +217,9 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from . import native_info
+    from .devices import summary
 
-    print(json.dumps(native_info(), indent=2))
+    print(json.dumps({**native_info(), **summary()}, indent=2))
     return 0
 
 
@@ -311,6 +313,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    # the package's warnings as this command's own (not a source file's line)
+    warnings.formatwarning = lambda message, *_, **__: f"sfi-gguf: warning: {message}\n"
     try:
         if argv and argv[0] in TOOLS:
             return importlib.import_module(TOOLS[argv[0]][0]).main(argv[1:])

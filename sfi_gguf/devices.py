@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import socket
+import warnings
 from typing import Sequence
 
 from ._native import LIB_PATH, _lib_file_name
@@ -36,6 +37,8 @@ def _ggml() -> ctypes.CDLL:
                 ("ggml_backend_dev_description", [_vp], ctypes.c_char_p),
                 ("ggml_backend_dev_backend_reg", [_vp], _vp),
                 ("ggml_backend_reg_name", [_vp], ctypes.c_char_p),
+                ("ggml_backend_reg_count", [], ctypes.c_size_t),
+                ("ggml_backend_reg_get", [ctypes.c_size_t], _vp),
                 ("ggml_backend_reg_by_name", [ctypes.c_char_p], _vp),
                 ("ggml_backend_reg_get_proc_address", [_vp, ctypes.c_char_p], _vp),
                 ("ggml_backend_reg_dev_count", [_vp], ctypes.c_size_t),
@@ -57,6 +60,36 @@ def devices() -> list[dict]:
                         description=g.ggml_backend_dev_description(dev).decode(), type=g.ggml_backend_dev_type(dev),
                         backend=g.ggml_backend_reg_name(reg).decode(), ptr=dev))
     return out
+
+
+def backends() -> list[str]:
+    """The ggml backends this build registered: CPU, and CUDA, Metal, Vulkan, RPC ... where it was built with them."""
+    g = _ggml()
+    return [g.ggml_backend_reg_name(g.ggml_backend_reg_get(i)).decode() for i in range(g.ggml_backend_reg_count())]
+
+
+def check_offload(n_gpu_layers: int, main_gpu: int = 0, tensor_split=None, rpc_servers=None, stacklevel: int = 3) -> bool:
+    """Whether offloaded layers have a device to go to: a local GPU (an integrated one too) or `rpc_servers`. Without
+    one, GPU placement options that were given (n_gpu_layers, main_gpu, tensor_split) are a RuntimeWarning: llama.cpp
+    would run the model on the CPU without a word."""
+    if rpc_servers or any(d["type"] in (DEVICE_GPU, DEVICE_IGPU) for d in devices() if d["backend"] != "RPC"):
+        return True
+    given = [f"{name}={value!r}" for name, value, unset in (("n_gpu_layers", n_gpu_layers, 0), ("main_gpu", main_gpu, 0),
+                                                          ("tensor_split", tensor_split, None)) if value != unset]
+    if given:
+        warnings.warn(f"{', '.join(given)}: llama.cpp finds no GPU to offload to (this build's backends: "
+                      f"{', '.join(backends())}), so the model runs on the CPU; for a GPU build see the README's "
+                      "\"Set up\" (CMAKE_ARGS=\"-DGGML_CUDA=ON\" bash scripts/setup.sh)", RuntimeWarning,
+                      stacklevel=stacklevel)
+    return False
+
+
+def summary() -> dict:
+    """The backends and devices of this build, for `sfi-gguf info`."""
+    from ._native import llama_cpp
+
+    return {"backends": backends(), "devices": [f"{d['name']} ({d['backend']}): {d['description']}" for d in devices()],
+            "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload())}
 
 
 def gpu_count() -> int:

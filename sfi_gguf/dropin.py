@@ -41,6 +41,7 @@ import numpy as np
 from ._native import llama_cpp
 from .config import SFIConfig
 from .context import BorrowedContext, ContextError
+from .devices import check_offload
 from .engine import SFIEngine, check_fits, check_split, sfi_config
 from .models import KNOWN_MODELS, resolve_model_path
 from . import tool_calls
@@ -70,6 +71,7 @@ class Llama(llama_cpp.Llama):
         self._sfi_requested = sfi is not False
         if model_path is None or (isinstance(model_path, str) and model_path in KNOWN_MODELS):
             model_path = resolve_model_path(model_path)  # the default model or a known name
+        offload = check_offload(kwargs.get("n_gpu_layers", 0), kwargs.get("main_gpu", 0), kwargs.get("tensor_split"))
         super().__init__(str(model_path), *args, **kwargs)
         self.sfi_unavailable = self._sfi_reason_unavailable(kwargs)
         if self.sfi_unavailable is not None:
@@ -81,7 +83,7 @@ class Llama(llama_cpp.Llama):
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._sfi_ctx = BorrowedContext(self.model, self.ctx, n_ctx=n_ctx, n_batch=self.n_batch, flash_attn=flash,
                                         scores=self.scores if self._logits_all else None)
-        self._sfi_engine = SFIEngine(self._sfi_ctx, self.model_params.n_gpu_layers, split_mode)
+        self._sfi_engine = SFIEngine(self._sfi_ctx, self.model_params.n_gpu_layers if offload else 0, split_mode)
 
     def _sfi_reason_unavailable(self, kwargs: dict) -> Optional[str]:
         if not self._sfi_requested:

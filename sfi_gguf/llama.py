@@ -11,6 +11,7 @@ from . import openai_api
 from ._native import llama_cpp
 from .config import SFIConfig
 from .context import ContextError, LlamaContext, default_threads
+from .devices import check_offload
 from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_fits as _check_fits,  # noqa: F401
                      check_split as _check_split, sfi_config as _sfi_config)
 from .generate import Completion, GenerationStats, run_generation
@@ -89,6 +90,8 @@ class SFILlama:
         self.sfi_config = _sfi_config(sfi)
         self.split_mode = split_mode
         _check_split(self.sfi_config, split_mode)
+        if not check_offload(n_gpu_layers, main_gpu, tensor_split, rpc_servers):
+            n_gpu_layers = 0  # (warned) every layer stays on the CPU: SFI takes the CPU's defaults
         self.n_gpu_layers = n_gpu_layers
         self.model_path = resolve_model_path(model_path)
         self.progress = progress
@@ -103,7 +106,7 @@ class SFILlama:
             raise
         self._generation = 0  # bumped by every generate(): a stream from an earlier call must not decode
         self.last_stats: GenerationStats | None = None
-        self._engine = SFIEngine(self._ctx, n_gpu_layers, split_mode)
+        self._engine = SFIEngine(self._ctx, self.n_gpu_layers, split_mode)
         self._chat_formatter = None
         self._batched = None  # BatchedDecoder, created by the first generate_batch
 

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from sfi_gguf import SFILlama, ensure_model
+from sfi_gguf.devices import gpu_count
 
 pytestmark = pytest.mark.real_model
 
@@ -130,7 +131,7 @@ def test_gemma3_sliding_window_model_generates():
 
 def test_cli_run_streams_text_and_reports_speed():
     result = subprocess.run([sys.executable, "-m", "sfi_gguf.cli", "run", "Write a haiku about caches",
-                             "-n", "24", "--seed", "1", "-c", "512", "-t", str(THREADS), "-v"],
+                             "-n", "24", "--seed", "1", "-c", "512", "-t", str(THREADS), "-v", "-ngl", "99"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.strip()) > 10
@@ -138,6 +139,8 @@ def test_cli_run_streams_text_and_reports_speed():
     # -v: llama.cpp's information (the model's description), not its debug lines (several per decode)
     assert "print_info: arch" in result.stderr
     assert "llama_graph_n_input_tensors" not in result.stderr and len(result.stderr.splitlines()) < 400
+    if gpu_count() == 0:  # -ngl without a GPU: said once, as the command's warning
+        assert result.stderr.count("sfi-gguf: warning: n_gpu_layers=99: llama.cpp finds no GPU") == 1
 
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path):

@@ -9,7 +9,9 @@ this fast; SFI is made active at their small contexts with a small budget.
 from __future__ import annotations
 
 import inspect
+import re
 import threading
+import warnings
 
 import pytest
 
@@ -17,6 +19,7 @@ from sfi_gguf import SFILlama
 from sfi_gguf._native import llama_cpp
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.context import ContextError
+from sfi_gguf.devices import gpu_count, summary
 from sfi_gguf.tools.random_model import random_model
 
 THREADS = 1
@@ -162,6 +165,40 @@ def test_more_threads_than_cpus_warns(tiny_path, monkeypatch):
     monkeypatch.setattr("sfi_gguf.llama.default_threads", lambda: 2)
     with pytest.warns(RuntimeWarning, match="more than this machine's 2 CPUs"):
         SFILlama(str(tiny_path), n_ctx=N_CTX, n_threads=3).close()
+
+
+@pytest.mark.skipif(gpu_count() > 0, reason="a GPU is there to offload to")
+def test_gpu_options_without_a_gpu_warn_and_run_on_the_cpu(tiny_path):
+    """GPU placement options on a CPU-only build: a warning naming them (not silence), and SFI's CPU defaults."""
+    from sfi_gguf import Llama
+
+    cpu_defaults = make(tiny_path, sfi=True)
+    try:
+        expected = cpu_defaults.effective_config(SFIConfig())
+    finally:
+        cpu_defaults.close()
+    for kwargs, named in ((dict(n_gpu_layers=-1), "n_gpu_layers=-1"), (dict(n_gpu_layers=99), "n_gpu_layers=99"),
+                          (dict(main_gpu=1, split_mode="none"), "main_gpu=1"),
+                          (dict(tensor_split=[3, 1]), "tensor_split=[3, 1]")):
+        with pytest.warns(RuntimeWarning, match=rf"{re.escape(named)}.*no GPU to offload to \(this build's backends: "
+                                                rf"CPU.*runs on the CPU"):
+            llm = make(tiny_path, sfi=True, **kwargs)
+        try:
+            assert llm.n_gpu_layers == 0 and llm.effective_config(SFIConfig()) == expected
+            assert llm.generate("hi", max_tokens=2, temperature=0).stats.n_generated >= 1
+        finally:
+            llm.close()
+    with pytest.warns(RuntimeWarning, match="n_gpu_layers=-1, main_gpu=1: llama.cpp finds no GPU"):
+        dropin = Llama(str(tiny_path), n_ctx=N_CTX, n_threads=1, n_gpu_layers=-1, main_gpu=1, verbose=False)
+    try:
+        assert dropin._sfi_engine.effective_config(SFIConfig()) == expected
+    finally:
+        dropin.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no option given: nothing to say
+        make(tiny_path).close()
+    info = summary()
+    assert "CPU" in info["backends"] and info["gpu_offload"] is False and info["devices"]
 
 
 def test_k_head_larger_than_the_context(tiny_path, monkeypatch):
