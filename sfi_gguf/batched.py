@@ -56,6 +56,15 @@ class Request:
                           stats=self.stats, logprobs=self.sampler.logprobs if self.sampler.n_logprobs is not None else None)
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class _Slot:
     def __init__(self, ctx: LlamaContext):
         self.ctx = ctx
@@ -64,6 +73,7 @@ class _Slot:
         self.token = -1           # sampled, not decoded yet
         self.ending: Ending | None = None
         self.t_decode = 0.0
+        self.last_used = 0        # when it last took a request (BatchedDecoder's count of requests added)
 
 
 class BatchedDecoder:
@@ -80,6 +90,7 @@ class BatchedDecoder:
         self.slots = [_Slot(base if s == 0 else base.sequence(s)) for s in range(base.n_seq_max)]
         self._batch = llama_cpp.llama_batch_init(base.n_seq_max, 0, 1)
         self.native = native
+        self._n_added = 0  # requests added so far (each slot's last_used is one of these)
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -104,15 +115,22 @@ class BatchedDecoder:
     def active(self) -> list[_Slot]:
         return [s for s in self.slots if s.request is not None]
 
-    def free_slot(self) -> _Slot | None:
-        return next((s for s in self.slots if s.request is None), None)
+    def free_slot(self, tokens: Sequence[int] = ()) -> _Slot | None:
+        """A free slot: the one whose sequence holds the longest prefix of `tokens` (a conversation's next turn goes
+        where its earlier turns are cached), else the one used least recently (its cache is the least likely to be
+        continued)."""
+        free = [s for s in self.slots if s.request is None]
+        return max(free, key=lambda s: (_common_prefix(s.ctx.tokens, tokens), -s.last_used), default=None)
+
 
     def add(self, request: Request, progress: bool = False) -> None:
         """Prefill the request's prompt in a free slot (alone: prompts differ in length; the longest
         prefix the slot's sequence already holds is reused) and sample its first token."""
-        slot = self.free_slot()
+        slot = self.free_slot(request.tokens)
         if slot is None:
             raise RuntimeError("no free slot")
+        self._n_added += 1
+        slot.last_used = self._n_added
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
         stepper = self.make_stepper(slot.ctx, request.config)

@@ -92,3 +92,16 @@ def test_n_choices_on_the_slots_match_seeded_requests_alone(server):
         alone = server.llm.generate(prompt, max_tokens=8, temperature=1.0, seed=11 + j, sfi=SFI)
         assert whole["choices"][j]["text"] == streamed[j] == alone.text, j
     assert len({c["text"] for c in whole["choices"]}) > 1
+
+
+def test_a_conversation_continues_in_the_slot_that_holds_it(server):
+    """Requests one after the other: a new prompt takes the slot used least recently, and a continuation the slot that
+    holds its beginning, whose cache it reuses, though another conversation came in between."""
+    rng = np.random.default_rng(7)
+    first, second = ([int(t) for t in rng.integers(3, 200, 300)] for _ in range(2))
+    more = [int(t) for t in rng.integers(3, 200, 40)]
+    for prompt in (first, second):
+        assert _post(server, {"prompt": prompt, "max_tokens": 4, "temperature": 0})["sfi_stats"]["n_prompt"] == 300
+    for prompt in (first, second):
+        stats = _post(server, {"prompt": prompt + more, "max_tokens": 4, "temperature": 0})["sfi_stats"]
+        assert stats["n_prompt"] == 340 and stats["n_prompt_decoded"] < 100  # the first 300 came from the cache
