@@ -128,7 +128,7 @@ def copy_sources(tree: Path) -> None:
             out = tree / rel / path.relative_to(src_dir)
             if path.is_file() and (not out.exists() or out.read_bytes() != path.read_bytes()):
                 out.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(path, out)
+                shutil.copy(path, out)  # (not copy2: a changed file must look newer than what was built from it)
 
 
 def prepare(dest: Path, source: Path | None) -> None:
@@ -170,7 +170,7 @@ def sync_tree(src: Path, dest: Path) -> None:
             out.mkdir(parents=True, exist_ok=True)
         elif not out.exists() or out.read_bytes() != path.read_bytes():
             out.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(path, out)
+            shutil.copy(path, out)
     for path in sorted(dest.rglob("*"), reverse=True):
         rel = path.relative_to(dest)
         if rel not in wanted and rel.name != ".sfi-stamp":

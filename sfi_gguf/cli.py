@@ -23,6 +23,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF file or known model name (default: qwen2.5-coder-0.5b-instruct, fetched on first use)")
     p.add_argument("-c", "--n-ctx", type=int, default=4096, help="context size in tokens (0 = model's maximum)")
     p.add_argument("-ngl", "--n-gpu-layers", type=int, default=0, help="layers to offload to the GPU (-1 = all)")
+    p.add_argument("--kv-on-host", action="store_true",
+                   help="keep the KV cache in host RAM and only SFI's compact view on the GPU: contexts larger "
+                        "than the GPU's memory (needs -ngl)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--flash-attn", choices=["on", "off"], default="on",
                    help="flash attention (off: faster on CPUs at long context; SFI works either way)")
@@ -150,7 +153,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("sfi-gguf run: give a prompt or --file", file=sys.stderr)
         return 2
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
-                   flash_attn=_flash_attn(args), verbose=args.verbose, progress=True, sfi=_sfi_from_args(args))
+                   flash_attn=_flash_attn(args), verbose=args.verbose, progress=True, sfi=_sfi_from_args(args),
+                   kv_on_host=args.kv_on_host)
     chat = not args.raw and llm.context.chat_template() is not None
     request = [{"role": "user", "content": prompt}] if chat else prompt
     for piece in llm.generate(request, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -188,7 +192,7 @@ def _llm_from_args(args: argparse.Namespace, progress: bool = False):
 
     return SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                     flash_attn=_flash_attn(args), verbose=args.verbose, progress=progress,
-                    sfi=_sfi_from_args(args), n_parallel=getattr(args, "parallel", 1))
+                    sfi=_sfi_from_args(args), n_parallel=getattr(args, "parallel", 1), kv_on_host=args.kv_on_host)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:

@@ -15,7 +15,8 @@ import numpy as np
 
 from ._native import llama_cpp
 from ._progress import Progress
-from .device_greedy import DeviceGreedy
+from .device_picks import GREEDY, DevicePicks
+from .sampling import DeviceChain
 from .policy import top1_probability
 
 
@@ -75,19 +76,21 @@ class LlamaContext:
 
     SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 
-    # greedy picks in the graph (set_device_greedy), per sequence: a context that owns its llama_context and its
-    # sequence handles have them; borrowed contexts keep these defaults
-    _device_greedy: DeviceGreedy | None = None
-    _all_device_greedy: Sequence[DeviceGreedy] = ()
-    _greedy_on_device = False  # ... attached: a decode copies its pick, not its logits
+    # picks in the graph (set_device_picks), per sequence: a context that owns its llama_context and its sequence
+    # handles have them; borrowed contexts keep these defaults
+    _device_picks: DevicePicks | None = None
+    _all_device_picks: Sequence[DevicePicks] = ()
+    _picks_on_device = False  # ... attached: a decode copies its pick, not its logits
     _sampled_on_device = False  # the last decode did
 
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
                  main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
-                 rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1, cb_eval=None):
+                 rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1, cb_eval=None,
+                 offload_kqv: bool = True):
         """cb_eval: a llama_cpp.ggml_backend_sched_eval_callback, called for every graph node (profiling,
-        tests); kept alive with the context."""
+        tests); kept alive with the context. offload_kqv False: the KV cache in host memory (llama.cpp's
+        -nkvo); with SFI the compact view then lives on the device of its layer (kv_on_host)."""
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         llama_cpp._logger.set_verbose(verbose)
@@ -116,7 +119,7 @@ class LlamaContext:
             self.close()
             raise ValueError(f"n_ctx={n_ctx} is above the model's training context ({self.n_ctx_train})")
         try:
-            self._check_memory(n_ctx * n_seq_max, n_gpu_layers, type_kv)
+            self._check_memory(n_ctx * n_seq_max, n_gpu_layers if offload_kqv else 0, type_kv)
         except MemoryError:
             self.close()
             raise
@@ -137,6 +140,7 @@ class LlamaContext:
             self.close()
             raise ValueError(f"type_kv must be one of {', '.join(self.KV_TYPES)}, got {type_kv!r}")
         cparams.type_k = cparams.type_v = self.KV_TYPES[type_kv]
+        cparams.offload_kqv = bool(offload_kqv)
         cparams.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
                                    else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
         ctx = llama_cpp.llama_init_from_model(model, cparams)
@@ -146,8 +150,8 @@ class LlamaContext:
                               "(not enough memory for the KV cache?)")
         self.ctx = ctx
         self.n_seq_max = n_seq_max
-        self._device_greedy = DeviceGreedy(ctx, 0)  # (sequence 0's: backend samplers are per sequence)
-        self._all_device_greedy = [self._device_greedy]  # ... and its handles': detached before the context is freed
+        self._device_picks = DevicePicks(ctx, 0)  # (sequence 0's: backend samplers are per sequence)
+        self._all_device_picks = [self._device_picks]  # ... and its handles': detached before the context is freed
         # cells per sequence: what was asked for (llama.cpp rounds its allocation up to 256 cells)
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
@@ -219,9 +223,9 @@ class LlamaContext:
         handle.__dict__.update(self.__dict__)
         handle.seq, handle._owner, handle.logits_index, handle.tokens = seq, False, -1, []
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
-        handle._device_greedy = DeviceGreedy(self.ctx, seq)
-        self._all_device_greedy.append(handle._device_greedy)
-        handle._greedy_on_device = handle._sampled_on_device = False
+        handle._device_picks = DevicePicks(self.ctx, seq)
+        self._all_device_picks.append(handle._device_picks)
+        handle._picks_on_device = handle._sampled_on_device = False
         return handle
 
     def _closed(self) -> ContextError:
@@ -233,13 +237,13 @@ class LlamaContext:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
         if not self._owner:
-            if self.ctx and self._device_greedy is not None:
-                self._device_greedy.detach()  # (a no-op once the owner closed: it detached them all)
+            if self.ctx and self._device_picks is not None:
+                self._device_picks.detach()  # (a no-op once the owner closed: it detached them all)
             self.ctx = self.model = None
             return
         if self.ctx:
-            for device_greedy in self._all_device_greedy:
-                device_greedy.detach()
+            for device_picks in self._all_device_picks:
+                device_picks.detach()
             llama_cpp.llama_free(self.ctx)
             self.ctx = None
         if self.model:
@@ -299,39 +303,52 @@ class LlamaContext:
         if not self.ctx:
             raise self._closed()
         if self._sampled_on_device:
-            raise ContextError("the last decode picked its token on the device (set_device_greedy) and copied no "
+            raise ContextError("the last decode picked its token on the device (set_device_picks) and copied no "
                                "logits: detach it before a decode whose logits are read")
         ptr = ctypes.cast(llama_cpp.llama_get_logits_ith(self.ctx, self.logits_index), ctypes.POINTER(ctypes.c_float))
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,))
 
-    def set_device_greedy(self, on: bool) -> bool:
-        """Greedy picks made in the decode's graph from the next decode on (`greedy_token`, `greedy_probability`;
-        `last_logits` is then refused), or no longer, for this sequence. A context that owns its llama_context and
-        its sequence handles have it (not a borrowed one), where the output's device runs its ops: returns whether
-        it is on."""
+    def set_device_picks(self, picks: DeviceChain | None) -> bool:
+        """Picks made in the decode's graph from the next decode on (`picked_token`, `greedy_probability`; `last_logits`
+        is then refused), or no longer (None), for this sequence: the greedy pick, or a sampling chain with its seed
+        (`Sampler.device_chain`). A context that owns its llama_context and its sequence handles have them (not a
+        borrowed one), where the output's device runs their ops: returns whether they are on."""
         if not self.ctx:
-            if not on:  # (a generation's end after the context was closed)
+            if picks is None:  # (a generation's end after the context was closed)
                 return False
             raise self._closed()
-        if self._device_greedy is None:
+        if self._device_picks is None:
             return False
-        if on:
-            self._greedy_on_device = self._device_greedy.attach()
+        if picks is not None:
+            self._picks_on_device = self._device_picks.attach(picks)
         else:
-            self._device_greedy.detach()
-            self._greedy_on_device = False
-        return self._greedy_on_device
+            self._device_picks.detach()
+            self._picks_on_device = False
+        return self._picks_on_device
+
+    def set_device_greedy(self, on: bool) -> bool:
+        """`set_device_picks` of the greedy pick (on), or of none."""
+        return self.set_device_picks(GREEDY if on else None)
+
+    def picked_token(self) -> int | None:
+        """The token the last decode's graph picked for this sequence (`set_device_picks`), or None when it copied
+        the logits instead."""
+        return self._device_picks.token(self.logits_index) if self._sampled_on_device else None
 
     def greedy_token(self) -> int:
         """The most likely next token after the last decode (the first of equal maxima on the host)."""
         if self._sampled_on_device:
-            return self._device_greedy.token(self.logits_index)
+            if not self._device_picks.picks.greedy:
+                raise ContextError("the last decode sampled its token on the device (set_device_picks) and copied no "
+                                   "logits: its greedy pick is not known")
+            return self._device_picks.token(self.logits_index)
         return int(np.argmax(self.last_logits()))
 
     def greedy_probability(self) -> float:
-        """The probability of `greedy_token` under the softmax of the last decode's logits."""
+        """The probability of `greedy_token` (the model's top-1 probability) under the softmax of the last decode's
+        logits."""
         if self._sampled_on_device:
-            return self._device_greedy.probability(self.logits_index)
+            return self._device_picks.probability(self.logits_index)
         return top1_probability(self.last_logits())
 
     def is_eog(self, token: int) -> bool:
@@ -402,7 +419,7 @@ class LlamaContext:
             raise ContextError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx={self.n_ctx}")
         self._fill(tokens, len(self.tokens), want_last_logits)
         self.logits_index = -1
-        self._sampled_on_device = self._greedy_on_device and want_last_logits
+        self._sampled_on_device = self._picks_on_device and want_last_logits
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
@@ -413,7 +430,7 @@ class LlamaContext:
         its logits, or its device pick, are that row's."""
         self.tokens.append(token)
         self.logits_index = row
-        self._sampled_on_device = self._greedy_on_device
+        self._sampled_on_device = self._picks_on_device
 
     def decode_one(self, token: int) -> None:
         """One decode step: the hot path, kept to a few ctypes stores."""
@@ -428,23 +445,29 @@ class LlamaContext:
         batch.seq_id[0][0] = self.seq
         batch.logits[0] = 1
         self.logits_index = -1
-        self._sampled_on_device = self._greedy_on_device
+        self._sampled_on_device = self._picks_on_device
         rc = llama_cpp.llama_decode(self.ctx, batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")
         self.tokens.append(token)
 
     def prefill(self, tokens: Sequence[int], progress: bool = False, before_last_chunk=None,
-                min_last_chunk: int = 1) -> int:
+                last_chunk: int = 0) -> int:
         """Bring the cache to exactly `tokens`, reusing the longest cached prefix.
 
         Returns how many tokens were actually decoded. The last token is always decoded so that its
         logits are available for sampling. `before_last_chunk()` runs right before the final
         llama_decode (SFI makes that one a slow step); chunking is the same with or without it, so
-        the cache content is bit-identical either way. `min_last_chunk`: the final llama_decode gets
-        at least that many tokens (when there are), by moving the last split earlier only when the
-        final chunk would be shorter; SFI asks for its bootstrap's query rows, which are the last
-        tokens of that decode (otherwise a 515-token prompt would bootstrap from 3 rows, not 16).
+        the cache content is bit-identical either way.
+
+        `last_chunk` n > 0: the prompt's last n tokens (all of a shorter prompt, at most n_batch) are the
+        final llama_decode, on their own after the rest, also when the cache holds them (they are decoded
+        again). Where a prompt splits then depends on the prompt alone, not on what the cache held: the same
+        prompt again decodes exactly as a fresh prefill did, and leaves the same cache and logits bit for bit
+        (llama.cpp's CPU kernels round a row differently in another batch shape, so re-decoding only the
+        last token, after a fresh prefill decoded the whole prompt at once, would not). The steppers pass
+        `SFIConfig.n_prefill_queries`: SFI's bootstrap reads its query rows from that decode. 0: the
+        tokens not cached, in n_batch chunks.
         """
         if not tokens:
             raise ValueError("empty prompt")
@@ -455,12 +478,13 @@ class LlamaContext:
                 break
             common += 1
         common = min(common, len(tokens) - 1)
+        last_chunk = min(max(0, last_chunk), self.n_batch, len(tokens))
+        if last_chunk:
+            common = min(common, len(tokens) - last_chunk)
         self.truncate(common)
         todo = list(tokens[common:])
-        starts = list(range(0, len(todo), self.n_batch))
-        want = min(max(1, min_last_chunk), self.n_batch, len(todo))
-        if len(todo) - starts[-1] < want:
-            starts[-1] = len(todo) - want
+        head = len(todo) - last_chunk  # decoded in n_batch chunks before the last one
+        starts = list(range(0, head, self.n_batch)) + ([head] if last_chunk else [])
         bar = Progress(len(todo), "prompt", enabled=progress)
         for start, end in zip(starts, starts[1:] + [len(todo)]):
             chunk = todo[start:end]

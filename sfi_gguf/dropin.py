@@ -12,6 +12,9 @@ completion) puts tokens into the KV cache, is replaced:
 - an `eval` of one token during a `generate` is one SFI step: the trigger policy makes it slow (dense,
   refreshing the memory) or fast (attending to the compact view only).
 
+With `offload_kqv=False` (the KV cache in host memory) and layers on a GPU, SFI keeps its compact view on the
+GPU, as `SFILlama(kv_on_host=True)` does: fast steps read GPU memory only (flash attention needed).
+
 The cells of the cache are tracked as llama-cpp-python tracks them (`input_ids[:n_tokens]`); anything that
 cuts that history (`reset`, prefix reuse in `generate`, `load_state`) makes the next `eval` a prefill.
 llama-cpp-python samples with its own sampler chain from the logits of the last row, as before.
@@ -96,6 +99,12 @@ class Llama(llama_cpp.Llama):
             return "draft_model: speculative decoding evaluates several drafted tokens per step"
         if self._is_recurrent or self._is_hybrid:
             return "a recurrent or hybrid model: its state is not a KV cache SFI can select from"
+        if (not self.context_params.offload_kqv and self.model_params.n_gpu_layers != 0
+                and llama_cpp.llama_supports_gpu_offload()
+                and self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED):
+            # the cache in host memory, the layers on a GPU: SFI's view would go to the GPU (kv_on_host), which
+            # gathers cells and so needs flash attention
+            return "offload_kqv=False with layers on a GPU needs flash_attn=True for SFI"
         return None
 
     # -- the token loop ---------------------------------------------------------------------------

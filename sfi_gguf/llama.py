@@ -24,6 +24,24 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
 
+# n_batch with kv_on_host: each prompt ubatch's attention reads a copy of the cached cells on the device, so
+# larger ubatches copy the cache fewer times
+KV_ON_HOST_BATCH = 4096
+
+
+def _check_kv_on_host(n_gpu_layers: int, flash_attn: bool) -> None:
+    """kv_on_host keeps the KV cache in host memory and the compact view on the device of each offloaded layer:
+    it needs offloaded layers, a build with a GPU (or RPC) backend, and flash attention."""
+    if not llama_cpp.llama_supports_gpu_offload():
+        raise ValueError("kv_on_host=True needs a build with a GPU backend (CUDA, Metal, Vulkan) or RPC; this "
+                         "llama.cpp runs on the CPU only, where the KV cache is in host memory anyway")
+    if n_gpu_layers == 0:
+        raise ValueError("kv_on_host=True keeps the KV cache in host memory and the SFI view on the GPU of each "
+                         "offloaded layer: set n_gpu_layers (-1 = every layer)")
+    if not flash_attn:
+        raise ValueError("kv_on_host=True needs flash_attn=True (the view is gathered cell by cell)")
+
+
 # ggml's GGML_MAX_N_THREADS: a compute graph never runs on more threads than this.
 MAX_THREADS = 512
 
@@ -68,12 +86,15 @@ class SFILlama:
     """
 
     def __init__(self, model_path: str | os.PathLike | None = None, *, n_ctx: int = 4096,
-                 n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int = 512,
+                 n_gpu_layers: int = 0, n_threads: int | None = None, n_batch: int | None = None,
                  flash_attn: bool = True, verbose: bool = False, progress: bool = False,
                  sfi: SFIConfig | str | bool | None = True, split_mode: str = "layer", main_gpu: int = 0,
                  tensor_split: Sequence[float] | None = None, rpc_servers: Sequence[str] | str | None = None,
-                 n_parallel: int = 1, type_kv: str = "f16"):
+                 n_parallel: int = 1, kv_on_host: bool = False, type_kv: str = "f16"):
         _check_int("n_ctx", n_ctx, 0, "(0 = the model's training context)")
+        _check_flags(kv_on_host=kv_on_host)
+        if n_batch is None:
+            n_batch = KV_ON_HOST_BATCH if kv_on_host else 512
         _check_int("n_batch", n_batch, 1)
         _check_int("n_parallel", n_parallel, 1)
         _check_int("n_gpu_layers", n_gpu_layers, -1, "(-1 = every layer)")
@@ -86,6 +107,8 @@ class SFILlama:
                 warnings.warn(f"n_threads={n_threads} is more than this machine's {default_threads()} CPUs: "
                               "llama.cpp gets slower, not faster", RuntimeWarning, stacklevel=2)
         _check_flags(flash_attn=flash_attn, verbose=verbose, progress=progress)
+        if kv_on_host:
+            _check_kv_on_host(n_gpu_layers, flash_attn)
         self._lock = threading.RLock()  # see _serialised
         self.sfi_config = _sfi_config(sfi)
         self.split_mode = split_mode
@@ -98,7 +121,7 @@ class SFILlama:
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose, split_mode=split_mode,
                                  main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers,
-                                 n_seq_max=n_parallel, type_kv=type_kv)
+                                 n_seq_max=n_parallel, offload_kqv=not kv_on_host, type_kv=type_kv)
         try:
             _check_fits(self.sfi_config, self._ctx.n_ctx)
         except ValueError:
@@ -233,6 +256,14 @@ class SFILlama:
     def _sfi_native(self):
         """The native SFI state (`native.SFINative`), once a stepper created it."""
         return self._engine.native
+
+    @_serialised
+    def memory(self):
+        """Where the KV cache and SFI's compact view live: a `native.Memory` (bytes of each in device and host
+        memory; with kv_on_host, the cache in host memory and only the view on the GPU), or None before the
+        first SFI generation (which allocates the view)."""
+        native = self._engine.native
+        return native.memory() if native is not None and native._initialized else None
 
     @_serialised
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:

@@ -130,6 +130,13 @@ _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, 
 _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
 
 
+class llama_sfi_memory(ctypes.Structure):
+    _fields_ = [("cache_device", ctypes.c_int64), ("cache_host", ctypes.c_int64), ("view_device", ctypes.c_int64),
+                ("view_host", ctypes.c_int64), ("cache_on_host", ctypes.c_bool)]
+
+
+
+
 def _check(func: str, rc: int) -> int:
     if rc < 0:
         raise SFIError(func, rc)
@@ -139,6 +146,15 @@ def _check(func: str, rc: int) -> int:
 def default_params() -> dict:
     p = _default_params()
     return {name: getattr(p, name) for name, _ in llama_sfi_params._fields_}
+
+
+@dataclass(frozen=True)
+class Memory:
+    cache_device: int    # bytes of the KV cache in device memory
+    cache_host: int      # ... in host memory
+    view_device: int     # bytes of the compact view in device memory
+    view_host: int       # ... in host memory (with the key norms of the cache's cells)
+    cache_on_host: bool  # the cache in host memory, the view on the device of its layers (kv_on_host)
 
 
 @dataclass(frozen=True)
@@ -192,6 +208,13 @@ class SFINative:
 
     def status(self, seq: int = 0) -> int:
         return int(_seq_status(self.ctx, seq))
+
+    def memory(self) -> Memory:
+        """Where the KV cache and the compact view live (bytes in device and host memory)."""
+        m = llama_sfi_memory()
+        get_memory = _bind("llama_sfi_get_memory", [_ctx_p, ctypes.POINTER(llama_sfi_memory)], ctypes.c_int32)
+        _check("llama_sfi_get_memory", get_memory(self.ctx, ctypes.byref(m)))
+        return Memory(**{name: getattr(m, name) for name, _ in llama_sfi_memory._fields_})
 
     @property
     def view_valid(self) -> bool:

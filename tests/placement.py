@@ -53,12 +53,12 @@ def buffer_names(log: list[str], what: str) -> set[str]:
     return set(re.findall(rf"(\S+) {what} buffer size", "".join(log)))
 
 
-def all_cells_equal_dense(model, n_steps=64, flash_attn=True, n_prefill=200, type_kv=GGML_TYPE_F16):
+def all_cells_equal_dense(model, n_steps=64, flash_attn=True, n_prefill=200, type_kv=GGML_TYPE_F16, offload_kqv=True):
     """A FAST context whose selection is every cell, in order, against a dense one over n_steps greedy steps:
     same argmax at every step and max |logit difference| < 5e-3 (the tolerance of test_native's
     reordered-cells test). Returns (max difference, bit-identical at every step)."""
     out = run_pair(model, n_prefill, n_steps, lambda sfi, n: all_cells(sfi, n), n_tail_max=n_steps,
-                   flash_attn=flash_attn, type_kv=type_kv)
+                   flash_attn=flash_attn, type_kv=type_kv, offload_kqv=offload_kqv)
     assert all(la.argmax() == lb.argmax() for la, lb in out)
     d = max(float(np.abs(la - lb).max()) for la, lb in out)
     assert d < 5e-3, d

@@ -25,8 +25,9 @@ N_CTX_SEQ = 512
 class MultiCtx(Ctx):
     """A context with one KV stream per sequence and a batch of up to one token per sequence."""
 
-    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True, type_kv=GGML_TYPE_F16):
-        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq, type_kv=type_kv)
+    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True, type_kv=GGML_TYPE_F16, offload_kqv=True):
+        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq, type_kv=type_kv,
+                         offload_kqv=offload_kqv)
         self.n_past = [0] * n_seq
 
     def prefill(self, seq, tokens):
@@ -250,14 +251,14 @@ MIXED_SINK, MIXED_RECENT, MIXED_K_HEAD = 4, 32, 48
 
 
 @contextmanager
-def one_and_by_kind(model, flash_attn, export):
+def one_and_by_kind(model, flash_attn, export, offload_kqv=True):
     """Two contexts holding the same four prompts, each with SFI on every sequence (all its cells selected) and the
     export of `export` ("every_cell", "candidates" or "device_selector"): (one, by_kind, sfi_one, sfi_kind), closed
     afterwards. One decodes a step's sequences in one llama_decode, the other one decode per kind."""
     from sfi_gguf.selector import SFISelector
 
-    one = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn)
-    by_kind = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn)
+    one = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
+    by_kind = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
     try:
         for c in (one, by_kind):
             for s, n in enumerate(MIXED_PROMPTS):
@@ -282,8 +283,14 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
     """One llama_decode whose sequences are slow, dense and fast in any mix (each in its own mode) gives
     every sequence the logits, exports and selection that the same step gives it as one decode per kind
     (slow ones together, then dense, then fast); the views keep working across such steps."""
+    mixed_equals_by_kind(tiny, flash_attn, export)
+
+
+def mixed_equals_by_kind(model, flash_attn, export, offload_kqv=True):
+    """test_one_decode_equals_its_sequences_decoded_by_kind on `model` (test_rpc.py runs it with the cache in host
+    memory and the views on an rpc-server)."""
     n_seq = len(MIXED_PROMPTS)
-    with one_and_by_kind(tiny, flash_attn, export) as (one, by_kind, sfi_one, sfi_kind):
+    with one_and_by_kind(model, flash_attn, export, offload_kqv) as (one, by_kind, sfi_one, sfi_kind):
         sfis = [sfi_one, sfi_kind]
         toks = {s: 3 + s for s in range(n_seq)}
         for step, mix in enumerate(MIXES):

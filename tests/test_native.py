@@ -124,9 +124,10 @@ class Ctx:
     """A context for sequence 0 (or n_seq_max sequences) with a reusable batch."""
 
     def __init__(self, model: Model, n_ctx=1024, flash_attn=True, type_kv=GGML_TYPE_F16, n_seq_max=1,
-                 capture: Capture | None = None, n_batch=512, kv_unified=False):
+                 capture: Capture | None = None, n_batch=512, kv_unified=False, offload_kqv=True):
         self.model = model
         cp = llama_cpp.llama_context_default_params()
+        cp.offload_kqv = offload_kqv
         cp.n_ctx = n_ctx
         cp.n_batch = n_batch
         cp.n_ubatch = n_batch
@@ -236,10 +237,10 @@ def real():
 
 
 def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_max=64, n_ctx=1024, seed=0,
-             flash_attn=True):
+             flash_attn=True, offload_kqv=True):
     """Dense context A and FAST context B fed the same tokens (B's greedy choices are A's)."""
-    a = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn)
-    b = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn)
+    a = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn, offload_kqv=offload_kqv)
+    b = Ctx(model, n_ctx=n_ctx, type_kv=type_kv, flash_attn=flash_attn, offload_kqv=offload_kqv)
     try:
         toks = tokens_for(model, n_prefill, seed)
         a.decode(toks)

@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 from sfi_gguf import devices
+from sfi_gguf._native import llama_cpp
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
-from test_batched_native import staggered_refreshes
+from test_batched_native import mixed_equals_by_kind, staggered_refreshes
 
 SERVER = os.environ.get("SFI_RPC_SERVER", "")
 
@@ -135,6 +136,56 @@ def test_rpc_staggered_refreshes_reuse_their_graphs(servers, flash_attn):
 
 
 @need_rpc
+@pytest.mark.parametrize("type_kv", [GGML_TYPE_F16, GGML_TYPE_Q8_0], ids=["f16", "q8_0"])
+def test_rpc_kv_on_host_all_cells_equals_dense(servers, type_kv):
+    """The KV cache in host memory (offload_kqv off) and the layers on an rpc-server, which stands in for a GPU:
+    the view goes to the server, the cache stays on the CPU, and a FAST step over every cell equals dense."""
+    with llama_log() as log:
+        m = PlacedModel(four_layers(), n_gpu_layers=99, devices=devices.model_devices(servers[:1]))
+        try:
+            all_cells_equal_dense(m, n_steps=32, type_kv=type_kv, offload_kqv=False)
+        finally:
+            m.close()
+    kv, view = buffer_names(log, "KV"), buffer_names(log, "SFI view")
+    assert kv == {"CPU"}, kv
+    assert any(b.startswith("RPC") for b in view) and "CPU" in view, view  # the view remote, the key norms local
+
+
+@need_rpc
+@pytest.mark.parametrize("export", ["every_cell", "device_selector"])
+def test_rpc_kv_on_host_mixed_step_equals_steps_alone(servers, export):
+    """Batched decoding with the cache in host memory: one decode of slow, dense and fast sequences equals one
+    decode per kind (slow steps attend over the host cache, fast ones over their views on the server)."""
+    m = PlacedModel(four_layers(), n_gpu_layers=99, devices=devices.model_devices(servers[:1]))
+    try:
+        mixed_equals_by_kind(m, True, export, offload_kqv=False)
+    finally:
+        m.close()
+
+
+@need_rpc
+def test_rpc_kv_on_host_generation_equals_kv_on_device(servers):
+    """SFILlama(kv_on_host=True): greedy SFI generation with the cache in host memory gives the tokens, slow steps
+    and refreshes of the same model with the cache beside its layers; only the view is in device memory."""
+    rng = np.random.default_rng(1)
+    prompt = [int(t) for t in rng.integers(3, 300, 700)]
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0)
+    results, memories = [], []
+    for kv_on_host in (True, False):
+        with SFILlama(four_layers(), n_ctx=1024, n_threads=1, n_gpu_layers=99, rpc_servers=servers[:1],
+                      n_batch=512, sfi=config, kv_on_host=kv_on_host) as llm:
+            out = llm.generate(prompt, max_tokens=48, temperature=0, ignore_eos=True)
+            s = out.stats.sfi
+            assert s.n_fast > 0 and s.n_slow > 0 and s.n_fell_back == 0, s
+            results.append((out.tokens, s.slow_steps))
+            memories.append(llm.memory())
+    assert results[0] == results[1]
+    host, device = memories
+    assert host.cache_on_host and host.cache_device == 0 and host.cache_host == device.cache_device > 0, memories
+    assert 0 < host.view_device < host.cache_host and not device.cache_on_host, memories
+
+
+@need_rpc
 def test_rpc_bad_endpoints():
     """An endpoint llama.cpp cannot reach raises (llama.cpp's RPC client would abort the process)."""
     with pytest.raises(ConnectionError, match="cannot connect"):
@@ -147,3 +198,22 @@ def test_rpc_bad_endpoints():
 def test_rpc_servers_need_an_rpc_build():
     with pytest.raises(ValueError, match="GGML_RPC=ON"):
         SFILlama(four_layers(), n_gpu_layers=99, rpc_servers="127.0.0.1:50052")
+
+
+@pytest.mark.skipif(devices.has_rpc(), reason="the loaded library has the RPC backend")
+def test_kv_on_host_needs_a_gpu_build():
+    """A CPU-only build refuses kv_on_host (its cache is in host memory anyway) before loading anything."""
+    if llama_cpp.llama_supports_gpu_offload():
+        pytest.skip("the loaded library has a GPU backend")
+    with pytest.raises(ValueError, match="GPU backend"):
+        SFILlama(four_layers(), n_gpu_layers=99, kv_on_host=True)
+
+
+@need_rpc
+def test_rpc_kv_on_host_refusals(servers):
+    with pytest.raises(ValueError, match="n_gpu_layers"):
+        SFILlama(four_layers(), kv_on_host=True, rpc_servers=servers[:1])
+    with pytest.raises(ValueError, match="flash_attn"):
+        SFILlama(four_layers(), kv_on_host=True, n_gpu_layers=99, flash_attn=False, rpc_servers=servers[:1])
+    with pytest.raises(ValueError, match="True or False"):
+        SFILlama(four_layers(), kv_on_host="yes")

@@ -75,8 +75,10 @@ extern "C" {
     LLAMA_API struct llama_sfi_params llama_sfi_default_params(void);
 
     // Start SFI on ctx: allocates the view (per covered layer and stream, pad256(n_sel_max + n_tail_max) slots,
-    // at most the cache's size) next to the cache, in the same buffer type. Mode DENSE, no selection, no
-    // candidates, no device Selector. Calling it again re-initializes.
+    // at most the cache's size) next to the cache, in the same buffer type; when the cache is in host memory
+    // (offload_kqv off) and a layer runs on a device, its view on that device: FAST steps then read device memory
+    // only, SLOW steps attend over the host cache on the CPU (this needs flash attention). Mode DENSE, no
+    // selection, no candidates, no device Selector. Calling it again re-initializes.
     // Returns 0, or
     //   LLAMA_SFI_ERR_BAD_ARG:     ctx or params NULL, n_sel_max, n_tail_max or n_query_rows < 1, evidence_alpha
     //                              negative or not finite, n_sel_max + n_tail_max too large; ctx is unchanged
@@ -85,6 +87,18 @@ extern "C" {
     //   LLAMA_SFI_ERR_ALLOC:       the view could not be allocated
     // After UNSUPPORTED or ALLOC, ctx has no SFI state (the previous one, if any, is freed).
     LLAMA_API int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params * params);
+
+    // Where the KV cache and the view live, in bytes.
+    struct llama_sfi_memory {
+        int64_t cache_device;  // the KV cache's K and V in device memory
+        int64_t cache_host;    // ... in host memory
+        int64_t view_device;   // the view's buffers in device memory
+        int64_t view_host;     // ... in host memory (with the key norms of the cache's cells)
+        bool    cache_on_host; // the cache is in host memory and the view on the device of its layers
+    };
+
+    // Fills *mem. Returns 0, LLAMA_SFI_ERR_BAD_ARG (mem NULL) or LLAMA_SFI_ERR_NOT_INIT.
+    LLAMA_API int32_t llama_sfi_get_memory(const struct llama_context * ctx, struct llama_sfi_memory * mem);
 
     // Stop SFI on ctx and free the view: decodes are ordinary again. No-op when ctx is NULL or has no SFI state.
     LLAMA_API void llama_sfi_free(struct llama_context * ctx);
@@ -173,6 +187,12 @@ extern "C" {
     // norms: what leaves the device shrinks from n_kv to n_candidates per (layer, head). 0 (the default) exports
     // every cell. Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for n_candidates < 0.
     LLAMA_API int32_t llama_sfi_set_n_candidates(struct llama_context * ctx, int32_t n_candidates);
+
+    // SLOW steps from now on take the last n_query_rows tokens of each slow sequence's ubatch (at most its tokens) as
+    // their query rows, in place of llama_sfi_params.n_query_rows: many rows for a bootstrap over the prompt's last
+    // tokens, one for a step that decodes other tokens before its own in the same ubatch (their KV is written densely,
+    // the export is its own row's). Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for n_query_rows < 1.
+    LLAMA_API int32_t llama_sfi_set_n_query_rows(struct llama_context * ctx, int32_t n_query_rows);
 
     // The candidate cells of seq's last export, [n_layers][n_cells] (each row in no particular order; with the
     // device Selector, its candidates; -1 for a layer it did not refresh). NULL (and the outputs 0) when the export
@@ -270,6 +290,20 @@ extern "C" {
     // whether smpl (from llama_sfi_sampler_init_greedy) runs in the graph: after the llama_set_sampler() of its chain,
     // false when the output's device lacks one of its ops (then detach the chain: the decode would copy no logits)
     LLAMA_API bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl);
+
+    // Sampling in the decode's graph with the model's confidence: a sampler for a llama_sampler_chain attached with
+    // llama_set_sampler() that runs filters (a chain of llama.cpp's samplers with a backend implementation and no
+    // inputs: top-k, top-p, min-p, temperature) in the graph, then picks as llama.cpp's dist sampler with this seed
+    // would (its random number drawn on the host as dist draws it, one a decode, in a buffer every graph of the context
+    // reads: SFI's kept graphs too), and adds the probability of the most likely token under the softmax of the logits
+    // (before the filters change them): after llama_decode(), llama_get_sampled_token_ith() is the pick,
+    // llama_get_sampled_probs_ith() that probability (one value), and nothing else is copied to the host. Takes
+    // ownership of filters (NULL: returns NULL). Outside a backend chain, the filters then llama.cpp's dist on the host.
+    LLAMA_API struct llama_sampler * llama_sfi_sampler_init_dist(struct llama_sampler * filters, uint32_t seed);
+
+    // whether smpl (from llama_sfi_sampler_init_dist) runs in the graph, its filters too: after the llama_set_sampler()
+    // of its chain; if false, detach the chain (the decode would copy no logits)
+    LLAMA_API bool llama_sfi_sampler_dist_on_backend(const struct llama_sampler * smpl);
 
     // llama_log_set(callback, user_data) behind a filter that drops messages below min_level (and the lines that
     // continue them) before they reach callback: a callback into an interpreter costs tens of microseconds a

@@ -164,7 +164,8 @@ llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * 
     }();
 
     const llama_sfi_plan * plan = kv ? kv->get_sfi() : nullptr;
-    if (!enabled || !plan || !(plan->mixed() || plan->exporting)) {
+    // (a cache in host memory: a graph taken again would lose the backends llama_sfi_place_host_cache gave its nodes)
+    if (!enabled || !plan || plan->view.cache_on_host || !(plan->mixed() || plan->exporting)) {
         return nullptr; // FAST ubatches have graphs of their own (fast_graphs), DENSE ones the context's
     }
 
@@ -180,6 +181,11 @@ llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * 
     }
 
     return kept_graphs.get(key, max_nodes, active);
+}
+
+void llama_sfi_context::built(const llm_graph_result * res, ggml_backend_sched_t sched) {
+    llama_sfi_place_host_cache(*view, sched, res->get_gf());
+    kept_graphs.built(res);
 }
 
 void llama_sfi_context::reset_graphs() {
@@ -271,7 +277,7 @@ void llama_sfi_context::extract_run(ggml_backend_sched_t sched, const llama_sfi_
         auto & ex = exports[res.s0 + j];
 
         ex.n_cells = n;
-        ex.n_rows  = std::min<int32_t>(params.n_query_rows, n_tps);
+        ex.n_rows  = std::min<int32_t>(view->n_query_rows, n_tps);
         ex.valid   = n > 0;
     }
 }
@@ -435,7 +441,7 @@ void llama_sfi_context::extract_selection(ggml_backend_sched_t sched, const llam
         ex.range    = llama_sfi_selector_range(*view, seq);
         ex.n_cells  = n_cand;
         ex.n_sel    = kept[j] ? n_sel : 0;
-        ex.n_rows   = std::min<int32_t>(params.n_query_rows, n_tps);
+        ex.n_rows   = std::min<int32_t>(view->n_query_rows, n_tps);
         ex.n_edits  = st.n_edits;
         ex.mapped   = false;
         ex.valid    = true;

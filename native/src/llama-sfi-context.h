@@ -115,7 +115,8 @@ struct llama_sfi_context {
             const llm_graph_result * active);
 
     bool keeps(const llm_graph_result * res) const { return kept_graphs.keeps(res); }
-    void built(const llm_graph_result * res)        { kept_graphs.built(res); }
+    // res was built on sched, which allocates it next
+    void built(const llm_graph_result * res, ggml_backend_sched_t sched);
     void unallocate(const llm_graph_result * res)   { kept_graphs.unallocate(res); }
 
     // the context reset its graphs (a reserve, a memory update)

@@ -51,13 +51,87 @@ ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool s
     return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
 }
 
+static ggml_backend_buffer_t llama_sfi_buffer_of(const ggml_tensor * t) {
+    return t->view_src ? t->view_src->buffer : t->buffer;
+}
+
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
     ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
-    if (!llama_sfi_backend_runs(t, src)) {
+
+    // from a cache in host memory into a view on a device: the rows are gathered on the CPU (get_rows, pinned there by
+    // llama_sfi_place_host_cache) and the scheduler copies them to the device in one transfer
+    ggml_backend_buffer_t buf_src = llama_sfi_buffer_of(src);
+    ggml_backend_buffer_t buf_dst = llama_sfi_buffer_of(dst);
+    const bool across = buf_src && buf_dst && ggml_backend_buffer_is_host(buf_src) != ggml_backend_buffer_is_host(buf_dst);
+
+    if (across || !llama_sfi_backend_runs(t, src)) {
         // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
         t = ggml_set_rows(ctx, dst, ggml_get_rows(ctx, src, idx), slots);
     }
     return ggml_set_name(t, "sfi_gather");
+}
+
+void llama_sfi_place_host_cache(const llama_sfi_view & view, ggml_backend_sched_t sched, ggml_cgraph * gf) {
+    if (!view.cache_on_host) {
+        return;
+    }
+
+    ggml_backend_t cpu = nullptr;
+    for (int i = 0; i < ggml_backend_sched_get_n_backends(sched); ++i) {
+        ggml_backend_t b = ggml_backend_sched_get_backend(sched, i);
+        if (ggml_backend_dev_type(ggml_backend_get_device(b)) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            cpu = b;
+        }
+    }
+    GGML_ASSERT(cpu && "a cache in host memory needs the CPU backend");
+
+    std::vector<ggml_backend_buffer_t> cache_bufs;
+    for (const auto & l : view.layers) {
+        for (const ggml_tensor * t : { view.cache_k_of(l.il), view.cache_v_of(l.il), l.kn }) {
+            if (std::find(cache_bufs.begin(), cache_bufs.end(), t->buffer) == cache_bufs.end()) {
+                cache_bufs.push_back(t->buffer);
+            }
+        }
+    }
+    auto in_cache = [&](const ggml_tensor * t) {
+        ggml_backend_buffer_t buf = llama_sfi_buffer_of(t);
+        return buf && std::find(cache_bufs.begin(), cache_bufs.end(), buf) != cache_bufs.end();
+    };
+
+    int n_readers = 0;
+    for (int i = 0; i < ggml_graph_n_nodes(gf); ++i) {
+        ggml_tensor * node = ggml_graph_node(gf, i);
+        if (ggml_is_empty(node) || in_cache(node)) {
+            continue; // (a write into the cache runs where the cache is anyway)
+        }
+        switch (node->op) {
+            case GGML_OP_NONE: case GGML_OP_VIEW: case GGML_OP_RESHAPE: case GGML_OP_PERMUTE: case GGML_OP_TRANSPOSE:
+                continue;
+            default:
+                break;
+        }
+        bool reads = false;
+        for (int j = 0; j < GGML_MAX_SRC && !reads; ++j) {
+            reads = node->src[j] && in_cache(node->src[j]);
+        }
+        if (!reads) {
+            continue;
+        }
+        ++n_readers;
+        if (node->op == GGML_OP_FLASH_ATTN_EXT && node->src[0]->ne[1] >= LLAMA_SFI_HOST_ATTN_MAX_TOKENS) {
+            continue;
+        }
+        ggml_backend_sched_set_tensor_backend(sched, node, cpu);
+    }
+
+    if (n_readers == 0) {
+        // a step that reads no cell of the cache (FAST) only writes its tokens' K/V there: those writes go last, so
+        // that the device computes the whole step and then copies the rows to the host once (a write between two
+        // layers would make the device wait for the host at every layer). Nothing reads them, so the order stays
+        // a topological one.
+        ggml_tensor ** nodes = ggml_graph_nodes(gf);
+        std::stable_partition(nodes, nodes + ggml_graph_n_nodes(gf), [&](const ggml_tensor * t) { return !in_cache(t); });
+    }
 }
 
 //
@@ -110,8 +184,11 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
         // ... and whether it gathers the selection
         const uint64_t gathers = view->n_candidates > 0 && view->gathers(std::min<int64_t>(view->n_candidates, mctx->get_n_kv()));
 
+        // ... and the query rows of the export
+        const uint64_t n_rows = view->n_query_rows;
+
         mix(LLAMA_SFI_STEP_SLOW);
-        for (const uint64_t x : { (uint64_t) view->n_candidates, selector, groups, n_kn, gathers }) {
+        for (const uint64_t x : { (uint64_t) view->n_candidates, selector, groups, n_kn, gathers, n_rows }) {
             mix(x);
         }
     }

@@ -4,6 +4,7 @@
 // llm_graph_result), and the FAST step's writes of the compact view
 
 #include "ggml.h"
+#include "ggml-backend.h"
 
 #include <cstdint>
 #include <utility>
@@ -93,6 +94,15 @@ ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool s
 // dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where the backend of src has it, else
 // get_rows then set_rows
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);
+
+// a cache in host memory with the view on a device (llama_sfi_view::cache_on_host): the nodes of gf that read the
+// cache run on the CPU backend of sched, so that no step copies the cache to the device; but for the attention of a
+// ubatch of at least LLAMA_SFI_HOST_ATTN_MAX_TOKENS tokens (a prompt), which the scheduler gives the device with a copy
+// of the cells it reads: quadratic attention on the CPU would cost far more than the copy. A graph that reads no cell
+// (FAST) writes its tokens into the cache after everything else.
+static constexpr int64_t LLAMA_SFI_HOST_ATTN_MAX_TOKENS = 32;
+
+void llama_sfi_place_host_cache(const llama_sfi_view & view, ggml_backend_sched_t sched, ggml_cgraph * gf);
 
 // graph topology key of a KV cache context: 0 when SFI does not change the graph
 uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx);

@@ -5,6 +5,7 @@
 #include "llama-batch.h"
 #include "llama-hparams.h"
 #include "llama-kv-cache.h"
+#include "llama-model.h"
 
 #include <algorithm>
 #include <atomic>
@@ -104,16 +105,15 @@ const char * llama_sfi_view::unsupported(const llama_kv_cache & kv) {
     return nullptr;
 }
 
-llama_sfi_view::llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & params) : kv(kv), params(params) {
+llama_sfi_view::llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & params) : kv(kv), params(params),
+        n_query_rows(params.n_query_rows) {
     v_trans = kv.v_trans;
     // a selection and its tail are distinct cells of the cache: never more slots than cells
     c_max   = GGML_PAD((uint32_t) std::min<int64_t>((int64_t) params.n_sel_max + params.n_tail_max, kv.get_size()), LLAMA_SFI_PAD);
 
     std::map<ggml_backend_buffer_type_t, ggml_context *> ctx_map;
 
-    for (const auto & kl : kv.layers) {
-        ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(kl.k->buffer);
-
+    auto ctx_for_buft = [&](ggml_backend_buffer_type_t buft) {
         auto it = ctx_map.find(buft);
         if (it == ctx_map.end()) {
             ggml_init_params iparams = {
@@ -130,13 +130,30 @@ llama_sfi_view::llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & par
             ctxs_bufs.emplace_back(ggml_context_ptr(ctx), nullptr);
             it = ctx_map.emplace(buft, ctx).first;
         }
+        return it->second;
+    };
 
-        ggml_tensor * k = ggml_new_tensor_3d(it->second, kl.k->type, kl.k->ne[0], c_max, kv.get_n_stream());
-        ggml_tensor * v = ggml_new_tensor_3d(it->second, kl.v->type, kl.v->ne[0], c_max, kv.get_n_stream());
+    for (const auto & kl : kv.layers) {
+        ggml_backend_buffer_type_t cache_buft = ggml_backend_buffer_get_type(kl.k->buffer);
+
+        // a cache kept in host memory (offload_kqv off) for a layer that runs on a device: the view, which every FAST
+        // step reads, lives on that device; the key norms stay with the cache, which only SLOW steps read
+        ggml_backend_buffer_type_t view_buft = cache_buft;
+        ggml_backend_dev_t dev = kv.model.dev_layer(kl.il);
+        if (ggml_backend_buffer_is_host(kl.k->buffer) && dev && ggml_backend_dev_type(dev) != GGML_BACKEND_DEVICE_TYPE_CPU) {
+            view_buft = ggml_backend_dev_buffer_type(dev);
+            cache_on_host = true;
+        }
+
+        ggml_context * ctx_view  = ctx_for_buft(view_buft);
+        ggml_context * ctx_cache = ctx_for_buft(cache_buft);
+
+        ggml_tensor * k = ggml_new_tensor_3d(ctx_view, kl.k->type, kl.k->ne[0], c_max, kv.get_n_stream());
+        ggml_tensor * v = ggml_new_tensor_3d(ctx_view, kl.v->type, kl.v->ne[0], c_max, kv.get_n_stream());
 
         const int32_t n_head_kv = kv.hparams.n_head_kv(kl.il);
 
-        ggml_tensor * kn = ggml_new_tensor_3d(it->second, GGML_TYPE_F32, n_head_kv, kl.k->ne[1], kl.k->ne[2]);
+        ggml_tensor * kn = ggml_new_tensor_3d(ctx_cache, GGML_TYPE_F32, n_head_kv, kl.k->ne[1], kl.k->ne[2]);
 
         ggml_format_name(k,  "sfi_k_l%d",  kl.il);
         ggml_format_name(v,  "sfi_v_l%d",  kl.il);
@@ -160,11 +177,18 @@ llama_sfi_view::llama_sfi_view(llama_kv_cache & kv, const llama_sfi_params & par
 
         buf.reset(ggml_backend_alloc_ctx_tensors_from_buft(ctx.get(), buft));
         if (!buf) {
-            throw std::runtime_error("failed to allocate the SFI view");
+            size_t size = 0;
+            for (ggml_tensor * t = ggml_get_first_tensor(ctx.get()); t; t = ggml_get_next_tensor(ctx.get(), t)) {
+                size += ggml_backend_buft_get_alloc_size(buft, t);
+            }
+            throw std::runtime_error(format("failed to allocate the SFI view: %.2f MiB of %s (fewer layers on the device, "
+                        "or a smaller n_sel_max / n_tail_max, need less)", size/1024.0/1024.0, ggml_backend_buft_name(buft)));
         }
 
         // the padding slots are masked, but must not hold NaNs
         ggml_backend_buffer_clear(buf.get(), 0);
+
+        (ggml_backend_buffer_is_host(buf.get()) ? bytes_host : bytes_device) += ggml_backend_buffer_get_size(buf.get());
 
         LLAMA_LOG_INFO("%s: %10s SFI view buffer size = %8.2f MiB (%u slots, %zu layers, %zu streams)\n", __func__,
                 ggml_backend_buffer_name(buf.get()), ggml_backend_buffer_get_size(buf.get())/1024.0/1024.0, c_max, layers.size(), streams.size());

@@ -90,6 +90,10 @@ struct llama_sfi_view {
     const llama_sfi_params params;
 
     bool     v_trans       = false; // the cache stores V transposed (flash attention off), and so does the view
+    bool     cache_on_host = false; // the cache is in host memory and the view on the device of its layers (offload_kqv
+                                    //   off): graphs run what reads the cache on the CPU (llama_sfi_place_host_cache)
+    size_t   bytes_device  = 0;     // the view's buffers (with the cache's key norms) in device / host memory
+    size_t   bytes_host    = 0;
     uint32_t c_max         = 0; // slots per layer and stream: pad256(n_sel_max + n_tail_max)
     int32_t  n_head_kv_max = 0;
 
@@ -114,6 +118,8 @@ struct llama_sfi_view {
     ggml_context_ptr ctx_spans;
 
     int32_t n_candidates = 0; // SLOW: export this many candidate cells per layer (0: every cell)
+
+    int32_t n_query_rows = 1; // SLOW: the last n_query_rows tokens of a slow stream's ubatch are its query rows
 
     llama_sfi_selector_params selector = {}; // SLOW with candidates: the device Selector (k_head 0: none)
     uint32_t selector_gen = 0;               // bumped by every llama_sfi_set_selector (its values are in the graph)

@@ -14,7 +14,7 @@
 #include <cmath>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 13
+#define LLAMA_SFI_API_VERSION 14
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -86,8 +86,35 @@ int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params
         return LLAMA_SFI_ERR_ALLOC;
     }
 
+    if (view->cache_on_host && view->v_trans) {
+        LLAMA_LOG_ERROR("%s: a cache in host memory with the view on a device needs flash attention\n", __func__);
+        return LLAMA_SFI_ERR_UNSUPPORTED;
+    }
+
     ctx->set_sfi(std::make_unique<llama_sfi_context>(ctx->get_model(), kv, std::move(view), *params));
 
+    return 0;
+}
+
+int32_t llama_sfi_get_memory(const struct llama_context * ctx, struct llama_sfi_memory * mem) {
+    if (!ctx || !ctx->get_sfi()) {
+        return LLAMA_SFI_ERR_NOT_INIT;
+    }
+    if (!mem) {
+        return LLAMA_SFI_ERR_BAD_ARG;
+    }
+
+    const llama_sfi_view & view = *ctx->get_sfi()->view;
+
+    *mem = {};
+    for (const auto & l : view.layers) {
+        for (const ggml_tensor * t : { view.cache_k_of(l.il), view.cache_v_of(l.il) }) {
+            (ggml_backend_buffer_is_host(t->buffer) ? mem->cache_host : mem->cache_device) += ggml_nbytes(t);
+        }
+    }
+    mem->view_device   = (int64_t) view.bytes_device;
+    mem->view_host     = (int64_t) view.bytes_host;
+    mem->cache_on_host = view.cache_on_host;
     return 0;
 }
 
@@ -330,6 +357,20 @@ int32_t llama_sfi_set_n_candidates(struct llama_context * ctx, int32_t n_candida
     }
 
     ctx->get_sfi()->view->n_candidates = n_candidates;
+
+    return 0;
+}
+
+int32_t llama_sfi_set_n_query_rows(struct llama_context * ctx, int32_t n_query_rows) {
+    if (!ctx || !ctx->get_sfi()) {
+        return LLAMA_SFI_ERR_NOT_INIT;
+    }
+
+    if (n_query_rows < 1) {
+        return LLAMA_SFI_ERR_BAD_ARG;
+    }
+
+    ctx->get_sfi()->view->n_query_rows = n_query_rows;
 
     return 0;
 }

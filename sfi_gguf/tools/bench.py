@@ -79,6 +79,14 @@ class BenchRow:
     #                                     attention + the evidence op even on a GPU; None: the default)
     keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
     cuda_graphs_disabled: bool = False  # GGML_CUDA_DISABLE_GRAPHS set: every graph launched kernel by kernel
+    kv_on_host: bool = False       # the KV cache in host memory (bench_kv_on_host): dense as llama.cpp runs it with
+    #                                offload_kqv=False, SFI with only its view on the GPU
+    dense_vram_tok_s: float = 0.0  # kv_on_host: dense with the cache in GPU memory (0: it did not fit)
+    prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV ...
+    prefill_vram_s: float = 0.0    # ... and with the cache in GPU memory
+    cache_host_bytes: int = 0      # kv_on_host: the KV cache in host memory ...
+    view_device_bytes: int = 0     # ... and SFI's view (the KV bytes in GPU memory)
+    sampling: str = "greedy"       # the pick each step makes (bench_sampler): greedy, default (in the graph), host
     type_kv: str = "f16"           # the KV cache's type (keys and values)
 
 
@@ -176,13 +184,32 @@ class ReplayedConfidence:
         return self.policy.on_token(token)
 
 
-def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) -> float:
-    """Prefill (reusing the cached prefix), then one step per forced token; seconds of decoding.
+SAMPLINGS = ("greedy", "default", "host")
+
+
+def bench_sampler(sampling: str, n_vocab: int):
+    """The picks each step makes (and waits for) in a bench run, as a generation's would: "greedy" the greedy pick,
+    "default" sampling with SamplingParams' defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), both in
+    the decode's graph where the device runs them; "host" that sampling on the host, over the copied logits."""
+    from ..sampling import Sampler, SamplingParams
+
+    if sampling not in SAMPLINGS:
+        raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
+    sampler = Sampler(SamplingParams(temperature=0.0 if sampling == "greedy" else 0.8, seed=0), n_vocab)
+    if sampling == "host":
+        sampler.device_chain = None
+    return sampler
+
+
+def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int], sampling: str = "greedy") -> float:
+    """Prefill (reusing the cached prefix), then one step per forced token, each after the pick a real decode
+    makes (`bench_sampler`); seconds of decoding.
 
     SFI statistics are reset after the prefill, so they cover the decoding only (the bootstrap
     slow step belongs to the prompt)."""
     ctx = llm.context
-    ctx.set_device_greedy(True)  # as a greedy generation picks (run_generation)
+    sampler = bench_sampler(sampling, ctx.n_vocab)
+    ctx.set_device_picks(sampler.device_chain)  # as a generation picks (run_generation)
     try:
         stepper.prefill(list(prompt))
         if hasattr(stepper, "stats"):
@@ -190,12 +217,13 @@ def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int]) ->
             s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
         t0 = time.perf_counter()
         for token in forced:
-            ctx.greedy_token()  # the greedy pick a real decode makes (waits for the step)
+            sampler.sample(ctx)  # the pick a real decode makes (waits for the step)
             stepper.step(int(token))
-        ctx.greedy_token()
+        sampler.sample(ctx)
         return time.perf_counter() - t0
     finally:
-        ctx.set_device_greedy(False)
+        ctx.set_device_picks(None)
+        sampler.close()
 
 
 def _budget(config: SFIConfig, depth: int) -> int:
@@ -204,7 +232,8 @@ def _budget(config: SFIConfig, depth: int) -> int:
 
 
 def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | None, flash_attn: bool | None,
-          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1, type_kv: str = "f16"):
+          config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1, kv_on_host: bool = False,
+          type_kv: str = "f16"):
     """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
     `shared`: the row fields every depth has in common but the git commit and the hardware."""
     from ..context import default_threads
@@ -217,7 +246,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
         flash_attn = n_gpu_layers != 0 or type_kv in ("q8_0", "q4_0")  # (a quantized V cache needs it)
     llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                    n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
-                   n_parallel=n_parallel, type_kv=type_kv)
+                   n_parallel=n_parallel, kv_on_host=kv_on_host, type_kv=type_kv)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
     effective = llm.effective_config(config, batched=n_parallel > 1)  # with the GPU defaults filled in
     shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,
@@ -236,8 +265,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
 def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
               n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
               flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
-              split_mode: str = "layer", confidence_trace: dict | None = None, type_kv: str = "f16",
-              log: Callable[[str], None] = print) -> list[BenchRow]:
+              split_mode: str = "layer", confidence_trace: dict | None = None, sampling: str = "greedy",
+              type_kv: str = "f16", log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
 
     `confidence_trace` (`load_confidence_trace`): the trigger policy reads a trained model's confidence
@@ -256,7 +285,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         def dense_at(depth: int) -> float:
             ctx.truncate(min(len(ctx.tokens), depth))
             dense = llm._stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
-            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode])
+            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode], sampling)
             ctx.truncate(depth)
             return n_decode / seconds
 
@@ -264,7 +293,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
         rows = []
         # once: nvidia-smi is a subprocess
-        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]), sampling=sampling)
         for depth in depths:
             t0 = time.perf_counter()
             dense_tok_s = dense_at(depth)
@@ -273,7 +302,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
             forced = text[depth:depth + n_decode]
             if replayed and hasattr(stepper, "policy"):
                 stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
-            seconds = decode_forced(llm, stepper, text[:depth], forced)
+            seconds = decode_forced(llm, stepper, text[:depth], forced, sampling)
             ctx.truncate(depth)
             s = stepper.stats if hasattr(stepper, "stats") else None
             native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
@@ -296,26 +325,27 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
 
 
 class ForcedTokens:
-    """A sampler for the batched loop that feeds a fixed continuation (teacher forcing); it still takes
-    the greedy pick a real decode takes (in the graph, as for a greedy request), which waits for the step."""
+    """A sampler for the batched loop that feeds a fixed continuation (teacher forcing); it still makes the pick a
+    real decode makes (`bench_sampler`: in the graph, as for a request), which waits for the step."""
 
-    seed = 0
     n_logprobs = None
     logprobs = None
-    reads_logits = False
 
-    def __init__(self, tokens: Sequence[int]):
+    def __init__(self, tokens: Sequence[int], n_vocab: int, sampling: str = "greedy"):
         self.tokens = list(tokens)
         self.i = 0
+        self.picker = bench_sampler(sampling, n_vocab)
+        self.seed = self.picker.seed
+        self.device_chain = self.picker.device_chain
 
     def sample(self, ctx) -> int:
-        ctx.greedy_token()
+        self.picker.sample(ctx)
         token = self.tokens[min(self.i, len(self.tokens) - 1)]
         self.i += 1
         return int(token)
 
     def close(self) -> None:
-        pass
+        self.picker.close()
 
 
 def check_stagger(stagger: int, batch: int, n_decode: int) -> None:
@@ -331,7 +361,8 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       depths=DEFAULT_DEPTHS, n_decode: int = 256, n_gpu_layers: int = 0,
                       n_threads: int | None = None, flash_attn: bool | None = None,
                       config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
-                      stagger: int = 0, type_kv: str = "f16", log: Callable[[str], None] = print) -> list[BenchRow]:
+                      stagger: int = 0, sampling: str = "greedy", type_kv: str = "f16",
+                      log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps).
 
@@ -347,13 +378,14 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
                                         split_mode=split_mode, n_parallel=batch, type_kv=type_kv)
     decoder = llm.batched_decoder()
+    n_vocab = llm.context.n_vocab
     try:
         texts = [text_tokens(llm, depths[-1] + n_decode, seed=s) for s in range(batch)]
 
         def run(depth: int, cfg: SFIConfig) -> tuple[float, list]:
             """One teacher-forced decode of n_decode tokens per sequence; (seconds per batch x n_decode tokens
             of the timed steps, requests)."""
-            requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode]),
+            requests = [Request(tokens=t[:depth], sampler=ForcedTokens(t[depth:depth + n_decode], n_vocab, sampling),
                                 max_tokens=n_decode + 1, ignore_eos=True, config=cfg) for t in texts]
             if not stagger:
                 for r in requests:
@@ -386,7 +418,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
         ceiling = batch * n_decode / seconds
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory), batch {batch}: {ceiling:.1f} tok/s")
         rows = []
-        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]), sampling=sampling)
         for depth in depths:
             t0 = time.perf_counter()
             dense_s, _ = run(depth, dense)
@@ -430,7 +462,7 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     batch = f"{r0.batch} sequences (aggregate tok/s), " if r0.batch > 1 else ""
     head = (f"{r0.hardware}, {batch}{r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
-            f"KV cache {r0.type_kv}, commit {r0.git_commit}")
+            f"picks: {r0.sampling}, KV cache {r0.type_kv}, commit {r0.git_commit}")
     sep = "|---" * (HEADER.count("|") - 1) + "|"
     return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
 
@@ -483,8 +515,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --batch: start sequence i i x STAGGER steps after the first and time only the steps "
                         "in which all decode, so that their refreshes fall on different steps (as a server's "
                         "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap)")
+    p.add_argument("--sampling", choices=SAMPLINGS, default="greedy",
+                   help="the pick each step makes and waits for: greedy (default) or default sampling (temperature "
+                        "0.8, top-k 40, top-p 0.95, min-p 0.05), both in the decode's graph, or host: that sampling "
+                        "on the host over the copied logits (the forced tokens are fed either way)")
     p.add_argument("--type-kv", default="f16", choices=["f16", "q8_0", "q4_0", "bf16", "f32"],
                    help="the KV cache's type (keys and values; a quantized V needs flash attention)")
+    p.add_argument("--kv-on-host", action="store_true",
+                   help="the KV cache in host memory: dense as llama.cpp runs it with offload_kqv=False, SFI with only "
+                        "its view on the GPU, and dense with the cache in GPU memory where it fits (needs -ngl)")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -522,9 +561,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                   n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                   flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
-                  split_mode=args.split_mode)
-    rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
-            if args.batch > 1 else run_bench(model, confidence_trace=trace, type_kv=args.type_kv, **kwargs))
+                  split_mode=args.split_mode, sampling=args.sampling)
+    if args.kv_on_host:
+        from .bench_kv_on_host import run_bench_kv_on_host
+
+        if args.batch > 1 or trace or args.type_kv != "f16":
+            raise SystemExit("--kv-on-host: single sequences without --confidence-trace, an F16 cache")
+        rows = run_bench_kv_on_host(model, **kwargs)
+    else:
+        rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
+                if args.batch > 1 else run_bench(model, confidence_trace=trace, type_kv=args.type_kv, **kwargs))
     print()
     print(markdown_table(rows))
     if args.markdown:
@@ -535,6 +581,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if results.is_dir():
             kind = "gpu" if args.n_gpu_layers else "cpu"
             batch = f"-batch{args.batch}" if args.batch > 1 else ""
+            batch += f"-{args.sampling}" if args.sampling != "greedy" else ""
+            batch += "-kv-on-host" if args.kv_on_host else ""
             batch += f"-kv-{args.type_kv}" if args.type_kv != "f16" else ""
             out = results / f"bench-{kind}-{shape or Path(str(model)).stem}{batch}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     if out:
