@@ -210,6 +210,22 @@ def test_kv_on_host_needs_a_gpu_build():
 
 
 @need_rpc
+def test_rpc_bench_kv_on_host(servers):
+    """`sfi-gguf bench --kv-on-host` on a model whose layers an rpc-server holds: each depth's row has dense with host
+    KV, SFI with host KV, dense with the cache beside the layers, both prefill times and where the bytes are."""
+    from sfi_gguf.tools.bench_kv_on_host import run_bench_kv_on_host
+
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=8, min_context=0)
+    rows = run_bench_kv_on_host(four_layers(), depths=[384, 512], n_decode=24, n_gpu_layers=99, n_threads=1,
+                                config=config, n_batch=512, rpc_servers=servers[:1], log=lambda text: None)
+    assert [r.depth for r in rows] == [384, 512]
+    for r in rows:
+        assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
+        assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_s, r.prefill_vram_s) > 0, r
+        assert 0 < r.view_device_bytes < r.cache_host_bytes, r
+
+
+@need_rpc
 def test_rpc_kv_on_host_refusals(servers):
     with pytest.raises(ValueError, match="n_gpu_layers"):
         SFILlama(four_layers(), kv_on_host=True, rpc_servers=servers[:1])

@@ -233,7 +233,7 @@ def _budget(config: SFIConfig, depth: int) -> int:
 
 def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | None, flash_attn: bool | None,
           config: SFIConfig | None, n_batch: int, split_mode: str, n_parallel: int = 1, kv_on_host: bool = False,
-          type_kv: str = "f16"):
+          type_kv: str = "f16", rpc_servers=None):
     """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
     `shared`: the row fields every depth has in common but the git commit and the hardware."""
     from ..context import default_threads
@@ -246,7 +246,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
         flash_attn = n_gpu_layers != 0 or type_kv in ("q8_0", "q4_0")  # (a quantized V cache needs it)
     llm = SFILlama(model, n_ctx=depths[-1] + n_decode + 64, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                    n_batch=n_batch, flash_attn=flash_attn, progress=True, sfi=config, split_mode=split_mode,
-                   n_parallel=n_parallel, kv_on_host=kv_on_host, type_kv=type_kv)
+                   n_parallel=n_parallel, kv_on_host=kv_on_host, type_kv=type_kv, rpc_servers=rpc_servers)
     n_gpus = 0 if not n_gpu_layers else min(1, gpu_count()) if split_mode == "none" else gpu_count()
     effective = llm.effective_config(config, batched=n_parallel > 1)  # with the GPU defaults filled in
     shared = dict(model=Path(str(llm.model_path)).name, decoded_tokens=n_decode, flash_attn=llm.context.flash_attn,

@@ -27,15 +27,17 @@ def _prefill(llm, prompt) -> float:
 def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
                          n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
                          flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 4096,
-                         split_mode: str = "layer", sampling: str = "greedy",
-                         log: Callable[[str], None] = print) -> list[BenchRow]:
+                         split_mode: str = "layer", sampling: str = "greedy", type_kv: str = "f16",
+                         rpc_servers=None, log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense with host KV, SFI with host KV and dense with the KV in GPU memory at each depth; one row per depth.
-    Prefill times are the seconds to extend the cache from the previous depth (the first: from empty)."""
+    Prefill times are the seconds to extend the cache from the previous depth (the first: from empty).
+    rpc_servers: layers on llama.cpp rpc-servers instead of the local GPUs (the tests' stand-in for a GPU)."""
     if not n_gpu_layers:
         raise ValueError("--kv-on-host keeps the cache in host memory for layers on a GPU: it needs -ngl")
     llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
                                         n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
-                                        split_mode=split_mode, kv_on_host=True)
+                                        split_mode=split_mode, kv_on_host=True, type_kv=type_kv,
+                                        rpc_servers=rpc_servers)
     shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]), kv_on_host=True,
                   sampling=sampling)
     ctx = llm.context
@@ -72,7 +74,8 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
     # the same depths with the cache in GPU memory, where it fits
     try:
         vram, *_ = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
-                         flash_attn=flash_attn, config=config, n_batch=n_batch, split_mode=split_mode)
+                         flash_attn=flash_attn, config=config, n_batch=n_batch, split_mode=split_mode,
+                         type_kv=type_kv, rpc_servers=rpc_servers)
     except (ValueError, MemoryError, RuntimeError) as e:
         log(f"dense with the KV cache in GPU memory: does not fit ({e})")
         return rows
