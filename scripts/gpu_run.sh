@@ -12,7 +12,14 @@
 #   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV cells, SFI_PERF_STREAMS streams, e.g. "1 4"),
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),
 #   selector-tests (the device Selector against numpy), greedy-tests (greedy picks in the graph against the host's), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
+#   sampling-tests (sampling in the graph against the host chain), sampling-bench (SFI and dense with each step's pick
+#   greedy, default sampling in the graph, or on the host: $SFI_SAMPLINGS, default "greedy default host"; single at
+#   $SFI_BENCH_DEPTHS, default 32768 131072, and batched $SFI_SAMPLING_BATCHES, default 4:32768),
+#   serve-load (benchmarks/serve_load.py: sfi-gguf serve --parallel 8, SFI against --dense, the openai client from
+#   .gpu/wheels-openai; SFI_LOAD_N conversations, default 8, of SFI_LOAD_DOC tokens, default 32768),
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
+#   kv-on-host-bench (sfi-gguf bench --kv-on-host: dense with host KV, SFI with host KV, dense with the KV in VRAM;
+#   $SFI_KVH_RUNS, default "qwen3-4b:f16:32768,131072", e.g. "qwen3-8b:q4_k_m:131072,262144"; SFI_BENCH_N),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back, as results.tgz when there are more than 8) or .gpu-out/.
 set -uo pipefail
@@ -94,6 +101,34 @@ if [[ " $stages " == *" greedy-tests "* ]]; then
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_device_greedy.py \
         2>&1 | tee "$OUT/gpu-greedy-tests.log" | tail -5
 fi
+if [[ " $stages " == *" sampling-tests "* ]]; then
+    log "sampling in the graph on the GPU against the host chain (tokens per seed, top-1 probabilities, batches)"
+    SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_device_sampling.py \
+        2>&1 | tee "$OUT/gpu-sampling-tests.log" | tail -5
+fi
+if [[ " $stages " == *" sampling-bench "* ]]; then
+    # the target: default sampling within 3% of greedy (SFI tok/s), single at 32K and 128K, 4 x 32K batched
+    for s in ${SFI_SAMPLINGS:-greedy default host}; do
+        log "sfi-gguf bench, each step's pick: $s (Qwen3-4B shape, F16)"
+        python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+            --depths ${SFI_BENCH_DEPTHS:-32768 131072} -n ${SFI_BENCH_N:-256} --sampling $s ${SFI_BENCH_ARGS:-} \
+            --json "$OUT/bench-h200-qwen3-4b-f16-$s${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -4
+        for bd in ${SFI_SAMPLING_BATCHES:-4:32768}; do
+            b=${bd%%:*}; d=${bd##*:}
+            python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+                --batch "$b" --depths "$d" -n ${SFI_BENCH_N:-256} --sampling $s ${SFI_BENCH_ARGS:-} \
+                --json "$OUT/bench-h200-qwen3-4b-f16-batch$b-$d-$s${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -3
+        done
+    done
+fi
+if [[ " $stages " == *" serve-load "* ]]; then
+    log "the server under load: 8 slots, SFI against --dense (Qwen3-4B shape, F16; benchmarks/serve_load.py)"
+    python3 -m pip install -q --no-index --find-links .gpu/wheels-openai openai || exit 1
+    M=$(model qwen3-4b f16)
+    python3 benchmarks/serve_load.py -m "$M" -ngl 99 --parallel 8 --conversations ${SFI_LOAD_N:-8} \
+        --doc-tokens ${SFI_LOAD_DOC:-32768} --max-tokens 256 ${SFI_LOAD_ARGS:-} \
+        --json "$OUT/serve_load-h200-qwen3-4b-f16-p8-c${SFI_LOAD_N:-8}-${SFI_LOAD_DOC:-32768}${SFI_BENCH_TAG:-}.json" 2>&1 | tail -14
+fi
 if [[ " $stages " == *" overhead "* ]]; then
     log "dense overhead: SFILlama vs C (Qwen3-4B shape, F16)"
     M=$(model qwen3-4b f16)
@@ -157,6 +192,15 @@ if [[ " $stages " == *" bench "* ]]; then
                 --json "$OUT/bench-h200-$shape-$wt${SFI_BENCH_TAG:-}.json" --markdown "$OUT/bench-h200-$shape-$wt${SFI_BENCH_TAG:-}.md" \
                 2>&1 | grep -v "^load:" | tail -20
         done
+    done
+fi
+if [[ " $stages " == *" kv-on-host-bench "* ]]; then
+    for run in ${SFI_KVH_RUNS:-qwen3-4b:f16:32768,131072}; do
+        IFS=: read -r shape wt depths <<< "$run"
+        log "sfi-gguf bench --kv-on-host: the KV cache in host memory ($shape shape, $wt, depths $depths)"
+        python3 -m sfi_gguf.cli bench -m $shape --weight-type $wt --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+            --kv-on-host --depths ${depths//,/ } -n ${SFI_BENCH_N:-128} ${SFI_BENCH_ARGS:-} \
+            --json "$OUT/bench-h200-$shape-$wt-kv-on-host${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -12
     done
 fi
 if [[ " $stages " == *" host-profile "* ]]; then

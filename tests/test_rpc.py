@@ -213,6 +213,7 @@ def test_kv_on_host_needs_a_gpu_build():
 def test_rpc_bench_kv_on_host(servers):
     """`sfi-gguf bench --kv-on-host` on a model whose layers an rpc-server holds: each depth's row has dense with host
     KV, SFI with host KV, dense with the cache beside the layers, both prefill times and where the bytes are."""
+    from sfi_gguf.tools.bench import markdown_table
     from sfi_gguf.tools.bench_kv_on_host import run_bench_kv_on_host
 
     config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=8, min_context=0)
@@ -223,6 +224,7 @@ def test_rpc_bench_kv_on_host(servers):
         assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
         assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_s, r.prefill_vram_s) > 0, r
         assert 0 < r.view_device_bytes < r.cache_host_bytes, r
+    assert "| 512 |" in markdown_table(rows)
 
 
 @need_rpc

@@ -463,8 +463,24 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     head = (f"{r0.hardware}, {batch}{r0.model_shape or r0.model} {r0.weight_type}, k_head {r0.k_head}, policy {r0.policy}, "
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
             f"picks: {r0.sampling}, KV cache {r0.type_kv}, commit {r0.git_commit}")
+    if r0.kv_on_host:
+        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 9 + "|"] +
+                         [format_kv_on_host_row(r) for r in rows])
     sep = "|---" * (HEADER.count("|") - 1) + "|"
     return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
+
+
+KV_ON_HOST_HEADER = ("| depth | dense, host KV tok/s | SFI, host KV tok/s | SFI / dense host | dense, KV in VRAM tok/s | "
+                     "SFI host / dense VRAM | prefill host / VRAM (s) | KV in VRAM (MiB) / cache in RAM (MiB) | "
+                     "slow / fast steps |")
+
+
+def format_kv_on_host_row(r: BenchRow) -> str:
+    vram = f"{r.dense_vram_tok_s:.1f}" if r.dense_vram_tok_s else "does not fit"
+    ratio_vram = f"**{r.sfi_tok_s / r.dense_vram_tok_s:.2f}x**" if r.dense_vram_tok_s else "-"
+    return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {vram} | {ratio_vram} | "
+            f"{r.prefill_s:.1f} / {r.prefill_vram_s:.1f} | {r.view_device_bytes / 2**20:.0f} / "
+            f"{r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} |")
 
 
 def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
