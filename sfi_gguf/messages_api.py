@@ -244,6 +244,8 @@ def chat_tools(tools) -> list[dict] | None:
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
             raise ValueError(f"tools[{i}]: only client tools ({{'name', 'description', 'input_schema'}}) are "
                              f"supported, not server tools, got {tool!r}")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ValueError(f"tools[{i}].name must be a non-empty string, got {tool.get('name')!r}")
         if not isinstance(tool.get("input_schema"), dict):
             raise ValueError(f"tools[{i}].input_schema must be a JSON schema object, got {tool.get('input_schema')!r}")
         fn = {"name": tool.get("name"), "parameters": tool["input_schema"]}

@@ -36,10 +36,11 @@ from . import openai_api
 MAX_STORED = 256  # responses kept for previous_response_id, oldest dropped first
 
 _EXTENSIONS = ("seed", "top_k", "min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "sfi")
-_IGNORED = ("reasoning", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier",
-            "stream_options", "store", "include", "truncation", "parallel_tool_calls", "prompt_cache_retention")
-_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "text", "max_output_tokens", "temperature",
-           "top_p", "stream", "previous_response_id", *_IGNORED, *_EXTENSIONS}
+_NO_EFFECT = ("reasoning", "metadata", "user", "service_tier", "prompt_cache_key", "safety_identifier",
+              "stream_options", "prompt_cache_retention")  # (metadata, user and reasoning are echoed)
+_FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
+           "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id", "store", "include",
+           "truncation", *_NO_EFFECT, *_EXTENSIONS}
 _REFUSED = {"background": "background responses", "conversation": "conversations (use previous_response_id)",
             "prompt": "prompt templates", "top_logprobs": "logprobs", "max_tool_calls": "max_tool_calls"}
 _IGNORED_INCLUDES = {"reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
@@ -108,7 +109,7 @@ class ResponsesAPI:
             raise ValueError(f"truncation {body['truncation']!r} is not supported (only 'disabled': a conversation "
                              "longer than the context is refused)")
         include = body.get("include") or []
-        if not isinstance(include, list) or set(include) - _IGNORED_INCLUDES:
+        if not isinstance(include, list) or not all(isinstance(i, str) and i in _IGNORED_INCLUDES for i in include):
             raise ValueError(f"include: {include!r} is not supported (logprobs are not; the others name data of "
                              "tools this server does not have)")
         instructions = body.get("instructions")
@@ -338,6 +339,10 @@ def chat_tools(tools) -> list[dict] | None:
             raise ValueError(f"tools[{i}]: only function tools are supported (type 'function'), got "
                              f"{kind or tool!r}; built-in tools (web search, file search, computer use, MCP ...) "
                              "are not")
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ValueError(f"tools[{i}].name must be a non-empty string, got {tool.get('name')!r}")
+        if not isinstance(tool.get("parameters", {}), dict):
+            raise ValueError(f"tools[{i}].parameters must be a JSON schema object, got {tool['parameters']!r}")
         out.append({"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters")
                                                       if tool.get(k) is not None}})
     return out
@@ -362,11 +367,14 @@ def chat_response_format(text):
     fmt = text.get("format")
     if fmt is None:
         return None
-    if not isinstance(fmt, dict):
-        raise ValueError(f"text.format must be an object, got {fmt!r}")
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt.get("schema")}}
-    return fmt  # text / json_object; the chat API refuses anything else
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ValueError(f"text.format must be {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {fmt!r}")
+    if kind != "json_schema":
+        return {"type": kind}
+    if not isinstance(fmt.get("schema"), dict):
+        raise ValueError(f"text.format json_schema needs its 'schema' (a JSON schema object), got {fmt!r}")
+    return {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
 
 
 # -- chat completion -> response ----------------------------------------------------------------------

@@ -254,7 +254,7 @@ class _Translated(_Generate):
     def _request(self, body: Any) -> tuple[dict, None]:
         try:
             return self.api.parse(body, self.server.model_name), None
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:
             raise RequestError(str(exc)) from None
 
     def _run(self, model, kwargs: dict):

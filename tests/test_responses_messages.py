@@ -3,6 +3,9 @@ anthropic clients: the answers and their streamed events agree, a forced tool ca
 response reuses the cached prefix, JSON schemas hold the output, stop sequences and errors come back in each API's
 own shape. The agent frameworks on top of these are in test_agent_clients.py."""
 import json
+import re
+import urllib.error
+import urllib.request
 
 import pytest
 
@@ -159,3 +162,34 @@ def test_messages_errors_have_anthropics_shape(claude):
         with pytest.raises(anthropic.BadRequestError, match=message) as err:
             claude.messages.create(model="test-model", **kwargs)
         assert err.value.body["type"] == "error" and err.value.body["error"]["type"] == "invalid_request_error"
+
+
+BAD_BODIES = [  # (endpoint, body, what the message names)
+    ("responses", [], "JSON object"),
+    ("responses", {"input": [5]}, r"input\[0\]"),
+    ("responses", {"input": [{"type": "function_call", "call_id": 5}]}, "call_id"),
+    ("responses", {"input": "x", "include": [{}]}, "include"),
+    ("responses", {"input": "x", "text": {"format": {"type": "json_schema"}}}, "schema"),
+    ("responses", {"input": "x", "tools": [{"type": "function", "name": ""}]}, r"tools\[0\].name"),
+    ("messages", {"max_tokens": 5, "messages": [5]}, "role"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
+     "tool_use_id"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": [""]},
+     "stop_sequences"),
+    ("messages", {"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "container": "x"}, "container"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, names", BAD_BODIES)
+def test_malformed_bodies_are_400_in_each_apis_shape(server, endpoint, body, names):
+    request = urllib.request.Request(f"{server.url}/{endpoint}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=60)
+    assert err.value.code == 400
+    reply = json.loads(err.value.read())
+    if endpoint == "messages":
+        assert reply["type"] == "error" and reply["error"]["type"] == "invalid_request_error"
+    else:
+        assert reply["error"]["type"] == "invalid_request_error"
+    assert re.search(names, reply["error"]["message"])
