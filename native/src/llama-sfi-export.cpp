@@ -276,15 +276,18 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
 // backend has the op; nullptr where it does not apply (no flash attention, sinks, ALiBi, query rows that are not all
 // the step's tokens, V transposed). Its output equals flash attention's up to rounding, so such a slow step is not
 // bit-identical to a dense one. LLAMA_SFI_FA_EVIDENCE=1 takes it on every backend that has it, =0 on none; by default
-// on the keys of a device, not of the host: the CPU's op is the reference, and the CPU decodes faster without flash
-// attention anyway.
+// on the keys of a device, and on a cache kept in host memory for layers on a device (kv_on_host), whose slow steps
+// attend on the CPU: the op reads each key and value once for all the query heads of its group, where flash
+// attention reads them once per query head and the evidence op the keys again. Not on a CPU-only model's cache: the
+// CPU's op is the reference, and the CPU decodes faster without flash attention anyway.
 static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex, ggml_tensor * attn) {
     static const int wanted = [] { // 1, 0, or -1: by where the keys are
         const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
         return env ? (strcmp(env, "1") == 0 ? 1 : 0) : -1;
     }();
     const ggml_tensor * keys = ex.view.cache_k_of(ex.il); // the cache's own tensor, not a view: it has its buffer
-    const bool enabled = wanted == 1 || (wanted < 0 && keys->buffer && !ggml_backend_buffer_is_host(keys->buffer));
+    const bool enabled = wanted == 1 ||
+        (wanted < 0 && keys->buffer && (!ggml_backend_buffer_is_host(keys->buffer) || ex.view.cache_on_host));
     ggml_tensor * fa = attn ? attn->view_src : nullptr;
     if (!enabled || !fa || fa->op != GGML_OP_FLASH_ATTN_EXT || fa->src[4] || ex.n_rows != ex.n_tps) {
         return nullptr;
@@ -374,7 +377,7 @@ static ggml_tensor * llama_sfi_build_export(
     const int64_t n_kv        = k->ne[2];
     const int64_t ns          = k->ne[3];
     const int64_t n_tps       = q_cur->ne[2]/ns;
-    const int64_t n_rows      = std::min<int64_t>(view.params.n_query_rows, n_tps);
+    const int64_t n_rows      = std::min<int64_t>(view.n_query_rows, n_tps);
 
     GGML_ASSERT(kq_mask->ne[3] == ns && kq_mask->ne[1] == n_tps);
 
