@@ -3,6 +3,7 @@
 #   .gpu/llama.cpp   the pinned llama.cpp tree, unpatched, trimmed to what a CUDA build reads
 #   .gpu/wheels      wheels the GPU image lacks (llama-cpp-python bindings-only, diskcache, gguf, starlette,
 #                    uvicorn; py-spy for gpu_run.sh's host-profile stage)
+#   .gpu/wheels-openai  the openai client and its dependencies, for gpu_run.sh's serve-load stage
 #   .gpu/vocab.gguf  the default model's tokenizer alone (random-weight benchmark models carry it)
 #   .gpu/cupti       libcupti (PyPI) and benchmarks/cupti_trace.c built against it, for gpu_run.sh's trace stage
 # Then scripts/gpu_run.sh runs there (build with CUDA, tests, benchmarks).
@@ -25,6 +26,12 @@ CMAKE_ARGS="-DLLAMA_BUILD=OFF" "$PY" -m pip wheel -q --no-deps --no-build-isolat
 "$PY" -m pip download -q --no-deps --only-binary=:all: -d .gpu/wheels diskcache==5.6.3 gguf==0.19.0 \
     starlette==1.10.0 uvicorn==0.54.0 \
     py-spy==0.4.3   # the server's (its other needs, anyio, h11, click, are in the GPU image); the host profiler
+# the openai client for gpu_run.sh's serve-load stage, with its dependencies for the Pythons a GPU image may have
+# (pydantic-core and jiter are built per Python version); installed there from this folder, what is missing only
+OPENAI_VERSION=$("$PY" -c "import importlib.metadata as m; print(m.version('openai'))")
+for v in 3.10 3.11 3.12 3.13; do
+    "$PY" -m pip download -q --only-binary=:all: --python-version $v -d .gpu/wheels-openai "openai==$OPENAI_VERSION"
+done
 "$PY" -m sfi_gguf.tools.random_model --write-vocab-only .gpu/vocab.gguf
 # the kernel tracer: CUPTI and the CUDA driver API's header from PyPI (skipped where they cannot be had)
 if "$PY" -m pip download -q --no-deps --only-binary=:all: -d "$tmp.cupti" "nvidia-cuda-cupti==13.0.*" "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*"; then

@@ -106,7 +106,7 @@ class BatchedDecoder:
         if self._batch is not None:
             llama_cpp.llama_batch_free(self._batch)
             self._batch = None
-        self.slots[0].ctx.set_device_greedy(False)  # (the base context stays)
+        self.slots[0].ctx.set_device_picks(None)  # (the base context stays)
         for slot in self.slots[1:]:
             slot.ctx.close()
 
@@ -121,7 +121,6 @@ class BatchedDecoder:
         continued)."""
         free = [s for s in self.slots if s.request is None]
         return max(free, key=lambda s: (_common_prefix(s.ctx.tokens, tokens), -s.last_used), default=None)
-
 
     def add(self, request: Request, progress: bool = False) -> None:
         """Prefill the request's prompt in a free slot (alone: prompts differ in length; the longest
@@ -140,9 +139,9 @@ class BatchedDecoder:
                              "(n_parallel=1)")
         slot.request = request
         slot.stepper = stepper
-        # (a slot keeps its sampler between requests of one kind: attaching or detaching one makes llama.cpp reserve
-        # its graphs again)
-        slot.ctx.set_device_greedy(picks_in_graph(request.sampler, request.stopping_criteria))
+        # (a slot keeps its sampler chain between requests that pick alike: attaching or detaching one makes llama.cpp
+        # reserve its graphs again)
+        slot.ctx.set_device_picks(picks_in_graph(request.sampler, request.stopping_criteria))
         start_generation(slot.stepper, request.tokens, request.sampler, request.stats, progress)
         slot.ending = Ending(request.stop, request.max_tokens, request.ignore_eos, request.stats, request.out_tokens,
                              request.cancel, request.keep_special, request.stopping_criteria)

@@ -14,7 +14,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .context import LlamaContext
-from .sampling import Sampler
+from .sampling import DeviceChain, Sampler
 
 
 @dataclass
@@ -192,10 +192,11 @@ class Ending:
         return self.text.close() if self.reason == "length" else ""
 
 
-def picks_in_graph(sampler: Sampler, stopping_criteria) -> bool:
-    """Whether a generation's picks are made in the decode's graph (`LlamaContext.set_device_greedy`): a plain greedy
-    pick that nothing else reads the logits for (a stopping criterion is given them)."""
-    return not sampler.reads_logits and stopping_criteria is None
+def picks_in_graph(sampler: Sampler, stopping_criteria) -> DeviceChain | None:
+    """The picks a generation's decodes make in their graph (`LlamaContext.set_device_picks`), or None: the sampler's
+    greedy pick or sampling chain (`Sampler.device_chain`) where nothing else reads the logits (a stopping criterion
+    is given them)."""
+    return sampler.device_chain if stopping_criteria is None else None
 
 
 def start_generation(stepper, prompt_tokens: Sequence[int], sampler: Sampler, stats: GenerationStats,
@@ -218,11 +219,11 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
 
     `cancel` set (by another thread) ends the generation before its next token, as a stop string would.
     """
-    ctx.set_device_greedy(picks_in_graph(sampler, stopping_criteria))
+    ctx.set_device_picks(picks_in_graph(sampler, stopping_criteria))
     try:
         start_generation(stepper, prompt_tokens, sampler, stats, progress)
     except BaseException:
-        ctx.set_device_greedy(False)
+        ctx.set_device_picks(None)
         raise
     ending = Ending(stop, max_tokens, ignore_eos, stats, out_tokens, cancel, keep_special, stopping_criteria)
     t_decode = time.perf_counter()
@@ -239,7 +240,7 @@ def run_generation(ctx: LlamaContext, prompt_tokens: Sequence[int], sampler: Sam
         if tail:
             yield tail
     finally:
-        ctx.set_device_greedy(False)
+        ctx.set_device_picks(None)
         stats.decode_s = time.perf_counter() - t_decode
         stats.finish_reason = ending.reason or "length"  # (abandoned or failed midway: as the length ran out)
         stats.n_ctx_end = len(ctx.tokens)

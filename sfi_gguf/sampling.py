@@ -99,6 +99,36 @@ def is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+@dataclass(frozen=True)
+class DeviceChain:
+    """The picks a decode's graph makes in place of the host chain (`sfi_gguf.device_picks`): temperature 0 is the
+    greedy pick, else llama.cpp's top-k, top-p, min-p and temperature samplers as `add_filters` orders them, then
+    dist's pick with the seed."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def add_filters(add, params) -> None:
+    """`add` (a chain's llama_sampler_chain_add) llama-cpp-python's samplers that come before dist, in its order:
+    top-k, typical, top-p, min-p, temperature (params: SamplingParams or DeviceChain; those they turn off left out)."""
+    if params.top_k > 0:
+        add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
+    if getattr(params, "typical_p", 1.0) < 1.0:
+        add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
+    add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
+    if params.min_p > 0.0:
+        add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
+    add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
+
+
 class Sampler:
     """Owns one llama_sampler chain; `sample` picks the next token from the last decode's logits.
 
@@ -165,16 +195,19 @@ class Sampler:
             add(llama_cpp.llama_sampler_init_mirostat_v2(self.seed, float(params.mirostat_tau),
                                                          float(params.mirostat_eta)))
         else:
-            if params.top_k > 0:
-                add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
-            if params.typical_p < 1.0:
-                add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
-            add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
-            if params.min_p > 0.0:
-                add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
-            add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
+            add_filters(add, params)
             add(llama_cpp.llama_sampler_init_dist(self.seed))
         self._chain = chain
+        # what the decode's graph can pick in place of this chain (`device_chain`): the greedy pick, or top-k ... dist
+        # (llama.cpp's backend samplers), when nothing else reads or changes the logits
+        self.device_chain = None
+        if logits_processor is None and logprobs is None:
+            if self._plain_greedy:
+                self.device_chain = DeviceChain(seed=self.seed)
+            elif (params.temperature > 0.0 and params.mirostat_mode == 0 and params.typical_p >= 1.0
+                  and not params.has_penalties and grammar is None and not params.logit_bias):
+                self.device_chain = DeviceChain(temperature=float(params.temperature), top_k=int(params.top_k),
+                                                top_p=float(params.top_p), min_p=float(params.min_p), seed=self.seed)
 
     @property
     def reads_logits(self) -> bool:
@@ -188,7 +221,11 @@ class Sampler:
             logits = ctx.last_logits()  # (a view of llama.cpp's buffer: the chain samples what is written here)
             raw = logits.copy() if self.n_logprobs is not None else None
             logits[:] = self.logits_processor(np.array(ctx.tokens, dtype=np.intc), logits.copy())
-        if self._plain_greedy:  # (of the logits the processor rewrote, if any: then they are on the host)
+        picked = ctx.picked_token()  # the decode's graph ran `device_chain` (LlamaContext.set_device_picks)
+        if picked is not None:
+            token = picked
+            llama_cpp.llama_sampler_accept(self._chain, token)
+        elif self._plain_greedy:  # (of the logits the processor rewrote, if any: then they are on the host)
             token = ctx.greedy_token()
             llama_cpp.llama_sampler_accept(self._chain, token)
         else:

@@ -138,3 +138,26 @@ def test_staggered_sequences_refresh_on_different_steps(model):
     with pytest.raises(ValueError):
         run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=8, n_threads=2, config=config, stagger=4,
                           log=lambda _: None)
+
+
+def test_each_step_samples_where_the_option_says(model, monkeypatch):
+    """`--sampling`: every step of the dense, SFI and ceiling runs makes (and waits for) the pick a sampled generation
+    makes: in the graph ("default"), or on the host over the copied logits ("host"); the row and table say which."""
+    from sfi_gguf.device_picks import DevicePicks
+    from sfi_gguf.tools.bench import markdown_table, run_bench_batched
+
+    picks = []
+    real = DevicePicks.token
+    monkeypatch.setattr(DevicePicks, "token", lambda self, index: picks.append(self.picks) or real(self, index))
+    assert build_parser().parse_args(["--sampling", "host"]).sampling == "host"
+    config = SFIConfig(k_head=64, n_recent=64, min_context=0)
+    row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, sampling="default",
+                    log=lambda _: None)[0]
+    assert row.sampling == "default" and "picks: default" in markdown_table([row])
+    assert len(picks) == 3 * 9 and all(p.temperature == 0.8 and p.top_k == 40 for p in picks)
+    assert run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, sampling="host",
+                     log=lambda _: None)[0].sampling == "host"
+    assert len(picks) == 3 * 9
+    batched = run_bench_batched(model, batch=2, depths=[DEPTH], n_decode=8, n_threads=2, config=config,
+                                sampling="default", log=lambda _: None)[0]
+    assert batched.sampling == "default" and len(picks) == 3 * 9 + 3 * 2 * 9 and batched.sfi_tok_s > 0

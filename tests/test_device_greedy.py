@@ -14,7 +14,7 @@ import pytest
 from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.context import ContextError, LlamaContext
-from sfi_gguf.device_greedy import DeviceGreedy
+from sfi_gguf.device_picks import DevicePicks
 from sfi_gguf.models import ensure_model
 from sfi_gguf.policy import top1_probability
 from sfi_gguf.tools.random_model import random_model
@@ -65,7 +65,7 @@ def test_sequence_handles_pick_on_the_device_each():
     one = ctx.sequence(1)
     try:
         assert ctx.set_device_greedy(True) and one.set_device_greedy(True)
-        assert one._device_greedy.seq == 1
+        assert one._device_picks.seq == 1
         one.prefill(ctx.tokenize(PROMPT))  # alone: its pick is its own row's
         token = one.greedy_token()
         with pytest.raises(ContextError, match="copied no logits"):
@@ -96,7 +96,8 @@ def test_a_batch_left_unclosed_exits_cleanly():
 @pytest.mark.parametrize("model", [pytest.param("default", marks=pytest.mark.real_model), "tiny-llama"])
 def test_a_batch_picks_on_the_device_per_sequence(model, monkeypatch):
     """Sequences decoded together: the greedy ones pick in the graph, each its own row, with the tokens and the slow
-    steps of the host's picks (logprobs make the host pick); a sampled sequence among them reads its logits."""
+    steps of the host's picks (logprobs make the host pick); beside a sampled one (in the graph too) and one that
+    reads its logits."""
     path = None if model == "default" else random_model(model)
     llm = SFILlama(path, n_ctx=2048, n_threads=2, n_gpu_layers=0 if model == "default" else NGL, n_parallel=3,
                    sfi=SFIConfig(k_head=64, n_recent=64, min_context=0, confidence_floor=0.8))
@@ -124,7 +125,7 @@ def test_a_batch_picks_on_the_device_per_sequence(model, monkeypatch):
         assert sum(c.stats.sfi.n_slow for c in device) >= 6 and len({tuple(c.tokens) for c in device}) == 3
 
         mixed = run("device", "host", "sampled")
-        assert len(picks) == 4 * 32
+        assert len(picks) == 5 * 32
         assert [c.tokens for c in mixed[:2]] == [c.tokens for c in device[:2]]
         assert mixed[2].tokens == run("host", "host", "sampled")[2].tokens
     finally:
@@ -140,8 +141,8 @@ def llm():
 
 def _count_device_picks(monkeypatch) -> list:
     picks = []
-    real = DeviceGreedy.token
-    monkeypatch.setattr(DeviceGreedy, "token", lambda self, index: picks.append(1) or real(self, index))
+    real = DevicePicks.token
+    monkeypatch.setattr(DevicePicks, "token", lambda self, index: picks.append(1) or real(self, index))
     return picks
 
 
@@ -173,6 +174,6 @@ def test_greedy_generations_pick_on_the_device_as_the_host_does(llm, monkeypatch
 def test_a_generation_leaves_the_logits_to_the_next_decode(llm):
     llm.generate(PROMPT, max_tokens=4, temperature=0, sfi=False)
     ctx = llm.context
-    assert not ctx._greedy_on_device
+    assert not ctx._picks_on_device
     ctx.decode_one(ctx.greedy_token())
     assert ctx.last_logits().shape == (ctx.n_vocab,)

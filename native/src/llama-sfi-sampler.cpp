@@ -9,7 +9,10 @@
 #include "llama-impl.h"
 
 #include "ggml.h"
+#include "ggml-alloc.h"
 #include "ggml-backend.h"
+
+#include <random>
 
 struct llama_sfi_greedy {
     bool on_backend = false; // backend_init found every op on the output's device
@@ -65,35 +68,41 @@ static bool llama_sfi_computes(const ggml_tensor * t) {
     }
 }
 
-static bool llama_sfi_greedy_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
-    auto * sctx = (llama_sfi_greedy *) smpl->ctx;
-
+// whether the output's device runs the pick's ops (those of llama_sfi_greedy_build); what: the sampler, for the warning
+static bool llama_sfi_greedy_ops_supported(ggml_backend_buffer_type_t buft, const char * what) {
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-
-    sctx->on_backend = true;
-    if (dev) {
-        // the ops on a probe graph of a vocabulary's size, as the device would get them
-        ggml_init_params params = {
-            /*.mem_size   =*/ 16*ggml_tensor_overhead(),
-            /*.mem_buffer =*/ nullptr,
-            /*.no_alloc   =*/ true,
-        };
-        ggml_context * ctx = ggml_init(params);
-
-        ggml_tensor * logits = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 128*1024);
-        ggml_tensor * token  = nullptr;
-        ggml_tensor * prob   = nullptr;
-        llama_sfi_greedy_build(ctx, logits, &token, &prob);
-
-        for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
-            if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
-                LLAMA_LOG_WARN("%s: device '%s' lacks %s: greedy picks on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op));
-                sctx->on_backend = false;
-            }
-        }
-        ggml_free(ctx);
+    if (!dev) {
+        return true;
     }
 
+    // the ops on a probe graph of a vocabulary's size, as the device would get them
+    ggml_init_params params = {
+        /*.mem_size   =*/ 16*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+
+    ggml_tensor * logits = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 128*1024);
+    ggml_tensor * token  = nullptr;
+    ggml_tensor * prob   = nullptr;
+    llama_sfi_greedy_build(ctx, logits, &token, &prob);
+
+    bool ok = true;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
+            LLAMA_LOG_WARN("%s: device '%s' lacks %s: %s on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op), what);
+            ok = false;
+        }
+    }
+    ggml_free(ctx);
+
+    return ok;
+}
+
+static bool llama_sfi_greedy_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
+    auto * sctx = (llama_sfi_greedy *) smpl->ctx;
+    sctx->on_backend = llama_sfi_greedy_ops_supported(buft, "greedy picks");
     return sctx->on_backend;
 }
 
@@ -129,4 +138,235 @@ struct llama_sampler * llama_sfi_sampler_init_greedy(void) {
 
 bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl) {
     return smpl && smpl->iface == &llama_sfi_greedy_i && ((const llama_sfi_greedy *) smpl->ctx)->on_backend;
+}
+
+// Sampling in the decode's graph, with the model's confidence
+//
+// llama.cpp's dist sampler takes its random number from an input tensor of the graph it was built into, and fills the
+// input of the last graph built; SFI keeps several graphs (a fast step's, a slow step's, one per mix of steps) and runs
+// them again without a rebuild, so that input would often be another graph's. This sampler runs a chain of llama.cpp's
+// filters (top-k, top-p, min-p, temperature: constants in the graph), then dist's ops itself, over a random number in
+// a buffer of its own that every graph reads and that it fills before each decode, drawn from its seed as llama.cpp's
+// dist draws it on the host. It hands out the pick and, in place of the chain's probabilities, the top-1 probability of
+// the raw logits that SFI's trigger reads.
+
+struct llama_sfi_dist {
+    llama_sampler * filters;   // owned: llama.cpp's samplers before dist
+    llama_sampler * host_dist; // owned: llama.cpp's dist, for the host path (the sampler outside a backend chain)
+    uint32_t        seed;
+    std::mt19937    rng;       // the backend path's draws
+
+    // the random number of the next decode: one F32 in a buffer on the output's device
+    ggml_context          * ctx_u = nullptr;
+    ggml_backend_buffer_t   buf_u = nullptr;
+    ggml_tensor           * u     = nullptr;
+
+    bool on_backend = false; // backend_init found every op on the output's device, the filters' too
+
+    ~llama_sfi_dist() {
+        llama_sampler_free(filters);
+        llama_sampler_free(host_dist);
+        ggml_backend_buffer_free(buf_u);
+        ggml_free(ctx_u);
+    }
+};
+
+static const char * llama_sfi_dist_name(const struct llama_sampler * /*smpl*/) {
+    return "sfi-dist";
+}
+
+static void llama_sfi_dist_accept(struct llama_sampler * smpl, llama_token token) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+    llama_sampler_accept(sctx->filters, token);
+    llama_sampler_accept(sctx->host_dist, token);
+}
+
+static void llama_sfi_dist_apply(struct llama_sampler * smpl, llama_token_data_array * cur_p) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+    llama_sampler_apply(sctx->filters, cur_p);
+    llama_sampler_apply(sctx->host_dist, cur_p);
+}
+
+static void llama_sfi_dist_reset(struct llama_sampler * smpl) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+    llama_sampler_reset(sctx->filters);
+    llama_sampler_reset(sctx->host_dist);
+    sctx->rng.seed(sctx->seed);
+}
+
+static struct llama_sampler * llama_sfi_dist_clone(const struct llama_sampler * smpl) {
+    const auto * sctx = (const llama_sfi_dist *) smpl->ctx;
+    llama_sampler * result = llama_sfi_sampler_init_dist(llama_sampler_clone(sctx->filters), sctx->seed);
+    auto * rctx = (llama_sfi_dist *) result->ctx;
+    llama_sampler_free(rctx->host_dist);
+    rctx->host_dist = llama_sampler_clone(sctx->host_dist);
+    rctx->rng       = sctx->rng;
+    return result;
+}
+
+static void llama_sfi_dist_free(struct llama_sampler * smpl) {
+    delete (llama_sfi_dist *) smpl->ctx;
+}
+
+// the filtered logits (data->logits, data->candidates) -> the pick (I32 [1]): the first candidate whose cumulative
+// probability exceeds u times their sum, as llama.cpp's dist picks on the host
+static ggml_tensor * llama_sfi_dist_build(ggml_context * ctx, const llama_sampler_data * data, ggml_tensor * u) {
+    const int64_t n = ggml_nelements(data->logits);
+
+    ggml_tensor * probs  = ggml_soft_max(ctx, ggml_reshape_1d(ctx, data->logits, n));
+    ggml_tensor * cumsum = ggml_cumsum(ctx, probs);
+    ggml_tensor * target = ggml_mul(ctx, ggml_view_1d(ctx, cumsum, 1, (n - 1)*ggml_element_size(cumsum)), u);
+
+    // 1 where the cumulative sum is above the target: the pick is the first of them
+    ggml_tensor * above = ggml_step(ctx, ggml_sub(ctx, cumsum, target));
+    ggml_tensor * idxf  = ggml_clamp(ctx, ggml_sum(ctx, above), 1.0f, (float) n);
+    ggml_tensor * idx   = ggml_cast(ctx, ggml_scale_bias(ctx, idxf, -1.0f, (float) n), GGML_TYPE_I32);
+
+    ggml_tensor * token = data->candidates ?
+        ggml_get_rows(ctx, ggml_reshape_2d(ctx, data->candidates, 1, ggml_nelements(data->candidates)), idx) : idx;
+    ggml_set_name(token, "sfi_dist_token");
+    return token;
+}
+
+// whether the output's device runs the top-1 probability's and dist's ops (the filters answer for theirs)
+static bool llama_sfi_dist_ops_supported(ggml_backend_buffer_type_t buft) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (!dev) {
+        return true;
+    }
+    if (!llama_sfi_greedy_ops_supported(buft, "sampling")) {
+        return false;
+    }
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ 32*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    ggml_context * ctx = ggml_init(params);
+
+    const int64_t n = 128*1024; // as many candidates as a vocabulary, when no filter cuts them
+    llama_sampler_data data = {
+        /*.logits     =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n),
+        /*.probs      =*/ nullptr,
+        /*.sampled    =*/ nullptr,
+        /*.candidates =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n),
+    };
+    llama_sfi_dist_build(ctx, &data, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1));
+
+    bool ok = true;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
+            LLAMA_LOG_WARN("%s: device '%s' lacks %s: sampling on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op));
+            ok = false;
+        }
+    }
+    ggml_free(ctx);
+
+    return ok;
+}
+
+static bool llama_sfi_dist_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+
+    sctx->on_backend = false;
+    if (n_outputs_max_per_seq != 1 || sctx->buf_u || !llama_sfi_dist_ops_supported(buft)) {
+        return false; // (one draw per decode: one output per sequence; one context per sampler)
+    }
+
+    ggml_init_params params = {
+        /*.mem_size   =*/ ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    sctx->ctx_u = ggml_init(params);
+    sctx->u     = ggml_new_tensor_1d(sctx->ctx_u, GGML_TYPE_F32, 1);
+    ggml_set_name(sctx->u, "sfi_dist_uniform");
+    sctx->buf_u = ggml_backend_alloc_ctx_tensors_from_buft(sctx->ctx_u, buft);
+    if (!sctx->buf_u) {
+        return false;
+    }
+
+    // (the filters are left uninitialised unless the rest runs in the graph: their host path then applies them all)
+    sctx->on_backend = sctx->filters->iface->backend_init &&
+        sctx->filters->iface->backend_init(sctx->filters, buft, n_outputs_max_per_seq);
+
+    return sctx->on_backend;
+}
+
+static void llama_sfi_dist_backend_accept(struct llama_sampler * smpl, struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_tensor * selected_token) {
+    llama_sampler * filters = ((llama_sfi_dist *) smpl->ctx)->filters;
+    if (filters->iface->backend_accept) {
+        filters->iface->backend_accept(filters, ctx, gf, selected_token);
+    }
+}
+
+static void llama_sfi_dist_backend_apply(struct llama_sampler * smpl, struct ggml_context * ctx, struct ggml_cgraph * gf, struct llama_sampler_data * data) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+
+    ggml_tensor * token = nullptr;
+    ggml_tensor * prob  = nullptr;
+    llama_sfi_greedy_build(ctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), &token, &prob);
+
+    sctx->filters->iface->backend_apply(sctx->filters, ctx, gf, data);
+
+    // the pick and the top-1 probability: nothing else is copied to the host
+    data->sampled    = llama_sfi_dist_build(ctx, data, sctx->u);
+    data->probs      = ggml_reshape_1d(ctx, prob, 1);
+    data->logits     = nullptr;
+    data->candidates = nullptr;
+}
+
+static void llama_sfi_dist_backend_set_input(struct llama_sampler * smpl) {
+    auto * sctx = (llama_sfi_dist *) smpl->ctx;
+
+    if (sctx->filters->iface->backend_set_input) {
+        sctx->filters->iface->backend_set_input(sctx->filters);
+    }
+
+    // as llama.cpp's dist draws it: a double in [0, 1), here as a float
+    std::uniform_real_distribution<double> dist(0.0, 1.0);
+    const float rnd = (float) dist(sctx->rng);
+    ggml_backend_tensor_set(sctx->u, &rnd, 0, sizeof(rnd));
+}
+
+static void llama_sfi_dist_backend_reset(struct llama_sampler * smpl) {
+    llama_sampler * filters = ((llama_sfi_dist *) smpl->ctx)->filters;
+    if (filters->iface->backend_reset) {
+        filters->iface->backend_reset(filters);
+    }
+}
+
+static void llama_sfi_dist_copy_state(const struct llama_sampler * src, struct llama_sampler * dst) {
+    const auto * s = (const llama_sfi_dist *) src->ctx;
+    auto       * d = (llama_sfi_dist *) dst->ctx;
+    llama_sampler_copy(s->filters,   d->filters);
+    llama_sampler_copy(s->host_dist, d->host_dist);
+    d->rng = s->rng;
+}
+
+static struct llama_sampler_i llama_sfi_dist_i = {
+    /* .name              = */ llama_sfi_dist_name,
+    /* .accept            = */ llama_sfi_dist_accept,
+    /* .apply             = */ llama_sfi_dist_apply,
+    /* .reset             = */ llama_sfi_dist_reset,
+    /* .clone             = */ llama_sfi_dist_clone,
+    /* .free              = */ llama_sfi_dist_free,
+    /* .backend_init      = */ llama_sfi_dist_backend_init,
+    /* .backend_accept    = */ llama_sfi_dist_backend_accept,
+    /* .backend_apply     = */ llama_sfi_dist_backend_apply,
+    /* .backend_set_input = */ llama_sfi_dist_backend_set_input,
+    /* .backend_reset     = */ llama_sfi_dist_backend_reset,
+    /* .copy_state        = */ llama_sfi_dist_copy_state,
+};
+
+struct llama_sampler * llama_sfi_sampler_init_dist(struct llama_sampler * filters, uint32_t seed) {
+    if (!filters) {
+        return nullptr;
+    }
+    return llama_sampler_init(&llama_sfi_dist_i, new llama_sfi_dist { filters, llama_sampler_init_dist(seed), seed, std::mt19937(seed) });
+}
+
+bool llama_sfi_sampler_dist_on_backend(const struct llama_sampler * smpl) {
+    return smpl && smpl->iface == &llama_sfi_dist_i && ((const llama_sfi_dist *) smpl->ctx)->on_backend;
 }
