@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--policy", nargs="+", choices=list(ALL_POLICIES), default=None,
                    help="policies to run (default: the suite's); paper: the punctuation trigger without its "
                         "confidence rule; fixed16: a slow step every 16; redecode: the default trigger with "
-                        "SFIConfig.redecode_tail")
+                        "SFIConfig.redecode_tail; delay4, delay16: the default trigger, each selection used 4 or "
+                        "16 steps after its slow step (SFIConfig.selection_delay)")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")

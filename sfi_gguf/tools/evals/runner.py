@@ -2,8 +2,8 @@
 
 Cost model: a case's prompt (the long haystack) is identical for all policies, so it is prefilled
 once; each policy's `generate` then reuses the cached prefix (`LlamaContext.prefill` trims the
-previous policy's generated tokens, and `SFIStepper.prefill` re-decodes only the last
-`n_prefill_queries` prompt tokens for its bootstrap slow step). A case costs one prefill plus a few
+previous policy's generated tokens and decodes only the prompt's last `n_prefill_queries` tokens again,
+as every prefill decodes them, on their own: SFI's bootstrap rows). A case costs one prefill plus a few
 short decodes. Cases of one length share their haystack up to the first inserted fact, so even
 consecutive cases reuse most of the cache.
 
@@ -35,9 +35,13 @@ VARIANTS = {
     "paper": ("punctuation", {"confidence_floor": 0.0}),  # sentence starts + T_max + warm-up, no confidence rule
     "fixed16": ("fixed", {"fixed_period": 16}),
     "redecode": ("punctuation", {"redecode_tail": True}),  # the default trigger, slow steps re-decode the tail
+    # the default trigger, each selection committed d steps after its slow step (what an asynchronous refresh costs)
+    "delay4": ("punctuation", {"selection_delay": 4}),
+    "delay16": ("punctuation", {"selection_delay": 16}),
 }
 #: every name a run may ask for, in table order
-ALL_POLICIES = ("dense", "punctuation", "redecode", "paper", "fixed", "fixed16", "static", "sink_recent")
+ALL_POLICIES = ("dense", "punctuation", "redecode", "delay4", "delay16", "paper", "fixed", "fixed16", "static",
+                "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
