@@ -42,7 +42,7 @@ _FIELDS = {"model", "input", "instructions", "tools", "tool_choice", "parallel_t
            "max_output_tokens", "temperature", "top_p", "stream", "previous_response_id", "store", "include",
            "truncation", *_NO_EFFECT, *_EXTENSIONS}
 _REFUSED = {"background": "background responses", "conversation": "conversations (use previous_response_id)",
-            "prompt": "prompt templates", "top_logprobs": "logprobs", "max_tool_calls": "max_tool_calls"}
+            "prompt": "prompt templates", "top_logprobs": "logprobs", "max_tool_calls": "limits on tool calls"}
 _IGNORED_INCLUDES = {"reasoning.encrypted_content", "message.input_image.image_url", "file_search_call.results",
                      "web_search_call.results", "web_search_call.action.sources", "code_interpreter_call.outputs",
                      "computer_call_output.output.image_url"}  # data of things this server never produces
@@ -136,13 +136,13 @@ class ResponsesAPI:
         chat = openai_api.create_chat_completion(llm, request["messages"], **request["chat"])
         shape = _Shape(request)
         if request["chat"]["stream"]:
-            return self._events(request, shape, chat, llm)
+            return self._events(request, shape, chat)
         message, finish = chat["choices"][0]["message"], chat["choices"][0]["finish_reason"]
         response = shape.response(output_items(message, finish), finish, chat["sfi_stats"])
         self._store(request, response, message)
         return response
 
-    def _events(self, request: dict, shape: "_Shape", chunks: Iterator[dict], llm) -> Iterator[tuple[str, dict]]:
+    def _events(self, request: dict, shape: "_Shape", chunks: Iterator[dict]) -> Iterator[tuple[str, dict]]:
         """The chat chunks as Responses events: an item is added when its first piece arrives, its pieces follow
         as deltas, and it is done when the next item starts or the answer ends."""
         numbers = itertools.count()
