@@ -104,7 +104,7 @@ class SFIEngine:
         if config.dense:
             if self.native is not None and self.native._initialized:
                 self.native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
-            return DenseStepper(ctx)
+            return DenseStepper(ctx, last_chunk=config.n_prefill_queries)
         n_ctx = self.ctx.n_ctx
         check_fits(config, n_ctx)
         check_split(config, self.split_mode)

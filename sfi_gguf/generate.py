@@ -50,15 +50,21 @@ class Completion:
 
 
 class DenseStepper:
-    """Every step attends to the whole cache (plain llama.cpp decoding)."""
+    """Every step attends to the whole cache (plain llama.cpp decoding).
+
+    last_chunk: the prompt's last tokens decoded on their own (`LlamaContext.prefill`), as the SFI stepper
+    decodes its bootstrap rows (SFIConfig.n_prefill_queries, 16 by default): a prompt splits the same way
+    dense or SFI, fresh or served from the cache, so the same prompt continues the same way.
+    """
 
     mode = "dense"
 
-    def __init__(self, ctx: LlamaContext):
+    def __init__(self, ctx: LlamaContext, last_chunk: int = 16):
         self.ctx = ctx
+        self.last_chunk = last_chunk
 
     def prefill(self, tokens: Sequence[int], progress: bool = False) -> int:
-        return self.ctx.prefill(tokens, progress=progress)
+        return self.ctx.prefill(tokens, progress=progress, last_chunk=self.last_chunk)
 
     def step(self, token: int) -> None:
         self.ctx.decode_one(token)

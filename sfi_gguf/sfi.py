@@ -124,21 +124,20 @@ class SFIStepper:
         self.policy.reset(context=tokens[-8:])
         n = len(tokens)
         self._top1 = None
+        # the prompt's last n_prefill_queries tokens are its final decode, on their own, fresh or served from
+        # the cache (LlamaContext.prefill): the same prompt splits the same way on every path, and that decode
+        # is the bootstrap slow step, its tokens the query rows of the export
+        last_chunk = self.config.n_prefill_queries
         if not self._wants_sparse(n):
-            return self.ctx.prefill(tokens, progress=progress)
+            return self.ctx.prefill(tokens, progress=progress, last_chunk=last_chunk)
         if self.policy.memory is MemoryMode.SINK_RECENT:
-            decoded = self.ctx.prefill(tokens, progress=progress)
+            decoded = self.ctx.prefill(tokens, progress=progress, last_chunk=last_chunk)
             self._load_memory(self._no_selection())
             self._note_logits()
             return decoded
-        # the final chunk of the prefill is the bootstrap slow step: its last (up to
-        # n_prefill_queries) tokens are the query rows of the export. When the cache already holds
-        # the prompt (prefix reuse: another policy ran on it, or a multi-turn call), re-decode those
-        # rows, so the bootstrap sees the same query rows as after a fresh prefill.
-        self.ctx.truncate(min(len(self.ctx.tokens), n - min(n, self.config.n_prefill_queries)))
         self._n_prompt = n
         decoded = self.ctx.prefill(tokens, progress=progress, before_last_chunk=self._begin_bootstrap,
-                                   min_last_chunk=self.config.n_prefill_queries)
+                                   last_chunk=last_chunk)
         self.stats.t_slow += time.perf_counter() - self._t_bootstrap
         self.stats.n_bootstrap += 1
         self._refresh_from_export()

@@ -224,4 +224,5 @@ def test_conversation_reuses_the_cache_and_keeps_sfi(llm):
     assert s2["n_prompt_decoded"] <= len(new_turn) + 1
     assert s2["sfi"]["n_bootstrap"] == 1 and s2["sfi"]["n_fast"] > 0
     dense = llm.create_chat_completion(messages, max_tokens=2, temperature=0, sfi=False)
-    assert dense["sfi_stats"]["mode"] == "dense" and dense["sfi_stats"]["n_prompt_decoded"] <= 1
+    # (the prompt's last n_prefill_queries tokens are decoded again, as a fresh prefill decodes them)
+    assert dense["sfi_stats"]["mode"] == "dense" and dense["sfi_stats"]["n_prompt_decoded"] == 16

@@ -101,7 +101,8 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
 
 def test_reset_clears_every_sequence(llm, prompts):
     _batch(llm, prompts[:3], False, n=4)
-    assert [c.stats.n_prompt_decoded for c in _batch(llm, prompts[:3], False, n=4)] == [1, 1, 1]  # (prefixes reused)
+    # (prefixes reused: only each prompt's last n_prefill_queries tokens decoded again)
+    assert [c.stats.n_prompt_decoded for c in _batch(llm, prompts[:3], False, n=4)] == [16, 16, 16]
     llm.reset()
     again = _batch(llm, prompts[:3], False, n=4)
     assert [c.stats.n_prompt_decoded for c in again] == [len(p) for p in prompts[:3]]

@@ -73,13 +73,14 @@ def test_chat_template_is_applied(llm):
 
 
 def test_prefix_of_the_previous_call_is_reused(llm):
-    llm.generate(PROMPT, max_tokens=4, temperature=0)
+    prompt = " ".join([PROMPT] * 4)  # longer than the n_prefill_queries (16) tokens a prompt always decodes last
+    llm.generate(prompt, max_tokens=4, temperature=0)
     first = llm.last_stats
-    assert first.n_prompt_decoded >= 1
-    llm.generate(PROMPT + " memory", max_tokens=4, temperature=0)
+    assert first.n_prompt_decoded >= 16
+    llm.generate(prompt + " memory", max_tokens=4, temperature=0)
     second = llm.last_stats
-    assert second.n_prompt_decoded < second.n_prompt
-    assert second.n_prompt - second.n_prompt_decoded >= first.n_prompt - 1
+    assert second.n_prompt_decoded == 16 < second.n_prompt  # the new token and the 15 before it
+    assert second.n_prompt - second.n_prompt_decoded >= first.n_prompt - 16
 
 
 def test_max_tokens_zero_only_processes_the_prompt(llm):

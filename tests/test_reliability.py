@@ -495,32 +495,76 @@ def test_close_from_another_thread_waits_for_the_token_in_progress(tiny_path):
 @pytest.mark.parametrize("sfi", [SFI, SFI.replace(policy="fixed", fixed_period=8), False],
                          ids=["sfi", "sfi-fixed", "dense"])
 def test_same_seed_same_config_same_tokens(tiny_path, sfi):
+    """From a fresh object, from the cached prompt (test_the_same_prompt_again_continues_from_a_fresh_objects_logits)
+    and after reset(): the same sampled tokens."""
     prompt = prompt_tokens(seed=5)
     kw = dict(max_tokens=64, temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=1234, ignore_eos=True)
     with make(tiny_path, sfi=sfi) as a:
         first = a.generate(prompt, **kw)
-        a.reset()  # without it the prompt's cache is reused: see test_prefix_reuse_is_close_to_fresh
+        cached = a.generate(prompt, **kw)
+        a.reset()
         again = a.generate(prompt, **kw)
         other = a.generate(prompt, **{**kw, "seed": 99})
     with make(tiny_path, sfi=sfi) as b:
         fresh = b.generate(prompt, **kw)
-    assert first.tokens == again.tokens == fresh.tokens
+    assert first.tokens == cached.tokens == again.tokens == fresh.tokens
     assert other.tokens != first.tokens  # the seed matters (the distribution of this random model is flat)
     if sfi is not False:
         s = first.stats.sfi
         assert s.n_bootstrap == 1 and s.n_fast > 30 and s.n_fell_back == 0
 
 
-def test_prefix_reuse_is_close_to_fresh(tiny_path):
-    """Reusing the cached prompt re-decodes only its tail (SFI: the bootstrap rows) in a smaller batch, and
-    llama.cpp's CPU kernels round differently for other batch shapes: greedy tokens stay those of a fresh
-    object here, sampled ones may drift apart after many steps. README "Reliability" says so."""
-    prompt = prompt_tokens(seed=5)
-    with make(tiny_path) as a:
-        first = a.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True)
-        again = a.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True)
-        assert again.stats.n_prompt_decoded == SFI.n_prefill_queries  # the bootstrap rows only
-    assert again.tokens == first.tokens
+@pytest.mark.parametrize("flash_attn", [True, False], ids=["fa", "no-fa"])
+@pytest.mark.parametrize("sfi", [SFI, True, False], ids=["sfi", "sfi-below-threshold", "dense"])
+def test_the_same_prompt_again_continues_from_a_fresh_objects_logits(tiny_path, monkeypatch, sfi, flash_attn):
+    """A prompt's last n_prefill_queries tokens are a llama_decode of their own, fresh or served from the cache:
+    the same prompt again decodes them again, in the batch shape a fresh prefill gave them, so its logits are a
+    fresh object's bit for bit (and so are the tokens that follow), after a finished generation, an interrupted
+    one (KeyboardInterrupt in a stream, between llama_decode and the bookkeeping, a cancel) and reset(). (A
+    fresh prefill that decoded the whole prompt at once, and a cached prompt that decoded only its last token
+    again, rounded apart: llama.cpp's CPU kernels round a row by its batch's shape.)"""
+    import numpy as np
+
+    prompt = prompt_tokens(seed=6)
+    kw = dict(max_tokens=40, temperature=0, ignore_eos=True)
+    with make(tiny_path, sfi=sfi, flash_attn=flash_attn) as fresh:
+        fresh.generate(prompt, max_tokens=0)
+        want = fresh.context.last_logits().copy()
+
+    def prompt_logits(llm, n_decoded=SFI.n_prefill_queries):
+        assert llm.generate(prompt, max_tokens=0).stats.n_prompt_decoded == n_decoded
+        return llm.context.last_logits()
+
+    with make(tiny_path, sfi=sfi, flash_attn=flash_attn) as llm:
+        llm.generate(prompt, **kw)
+        assert np.array_equal(prompt_logits(llm), want)
+        with pytest.raises(KeyboardInterrupt):
+            for i, _ in enumerate(llm.generate(prompt, stream=True, **kw)):
+                if i == 10:
+                    raise KeyboardInterrupt
+        assert np.array_equal(prompt_logits(llm), want)
+        real_decode, calls = llama_cpp.llama_decode, []
+
+        def decode_then_interrupt(ctx, batch):
+            rc = real_decode(ctx, batch)
+            calls.append(rc)
+            if len(calls) == 2:  # the first step after the prefill (of the last tokens only: the prompt is cached)
+                raise KeyboardInterrupt  # ... its token in the cache, not yet in the token list
+            return rc
+
+        with monkeypatch.context() as patch:
+            patch.setattr(llama_cpp, "llama_decode", decode_then_interrupt)
+            with pytest.raises(KeyboardInterrupt):
+                llm.generate(prompt, **kw)
+        assert np.array_equal(prompt_logits(llm), want)
+        cancel = threading.Event()
+        for i, _ in enumerate(llm.generate(prompt, stream=True, cancel=cancel, **kw)):
+            if i == 10:
+                cancel.set()
+        assert llm.last_stats.finish_reason == "stop" and llm.last_stats.n_generated < kw["max_tokens"]
+        assert np.array_equal(prompt_logits(llm), want)
+        llm.reset()
+        assert np.array_equal(prompt_logits(llm, len(prompt)), want)
 
 
 @pytest.mark.parametrize("n", [512, 515, 530])
