@@ -37,6 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from typing import Optional, Sequence
 
 import numpy as np
@@ -231,6 +232,10 @@ class Llama(llama_cpp.Llama):
         state = super().__getstate__()
         state["sfi"] = self.sfi_config if self._sfi_requested else False
         return state
+
+    def __del__(self) -> None:
+        if not sys.is_finalizing():  # at exit the modules' globals may be gone already; the process frees it all
+            super().__del__()
 
     def close(self) -> None:
         self._sfi_closed = True
