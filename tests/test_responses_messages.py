@@ -140,7 +140,7 @@ def test_message_streamed_and_not_with_stop_sequences(claude):
     n_prompt = full.usage.input_tokens + full.usage.cache_read_input_tokens
     assert again.stop_reason == "max_tokens" and again.usage.output_tokens == 2
     assert again.usage.input_tokens + again.usage.cache_read_input_tokens == n_prompt
-    assert 0 < again.usage.input_tokens < again.usage.cache_read_input_tokens
+    assert again.usage.cache_read_input_tokens > 0 and 0 < again.usage.input_tokens < n_prompt
 
 
 def test_message_json_schema_output(claude):
