@@ -186,16 +186,16 @@ def chat_messages(messages) -> list[dict]:
             at = f"{where}.content[{j}]"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(_string(block, "text", at))
+                texts.append(openai_api.required_string(block, "text", at))
             elif kind == "tool_use" and role == "assistant":
                 if not isinstance(block.get("input"), dict):
                     raise ValueError(f"{at}.input must be an object, got {block.get('input')!r}")
-                calls.append({"id": _string(block, "id", at), "type": "function",
-                              "function": {"name": _string(block, "name", at),
+                calls.append({"id": openai_api.required_string(block, "id", at), "type": "function",
+                              "function": {"name": openai_api.required_string(block, "name", at),
                                            "arguments": json.dumps(block["input"], ensure_ascii=False)}})
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content", ""), f"{at}.content")
-                out.append({"role": "tool", "tool_call_id": _string(block, "tool_use_id", at),
+                out.append({"role": "tool", "tool_call_id": openai_api.required_string(block, "tool_use_id", at),
                             "content": f"Error: {result}" if block.get("is_error") else result})
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # (this model writes none; another model's thinking is not shown to it)
@@ -224,13 +224,6 @@ def _text(content, where: str) -> str:
             raise ValueError(f"{where}: only text blocks are supported, got {block!r}")
         texts.append(block["text"])
     return "\n".join(texts)
-
-
-def _string(block: dict, key: str, where: str) -> str:
-    value = block.get(key)
-    if not isinstance(value, str):
-        raise ValueError(f"{where}.{key} must be a string, got {value!r}")
-    return value
 
 
 def chat_tools(tools) -> list[dict] | None:

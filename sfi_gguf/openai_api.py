@@ -38,6 +38,14 @@ def _check_supported(args: dict[str, Any]) -> None:
                                   "llama.cpp's samplers")
 
 
+def required_string(obj: dict, key: str, where: str) -> str:
+    """obj[key], which a request must give as a string (the Responses and Messages APIs' items and blocks)."""
+    value = obj.get(key)
+    if not isinstance(value, str):
+        raise ValueError(f"{where}.{key} must be a string, got {value!r}")
+    return value
+
+
 def grammar_text(grammar) -> str | None:
     """A `grammar` argument (None, a llama_cpp.LlamaGrammar, GBNF text) as GBNF text."""
     if grammar is None or isinstance(grammar, str):

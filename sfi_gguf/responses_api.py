@@ -281,16 +281,16 @@ def input_messages(items) -> list[dict]:
             out.append({"role": "system" if role == "developer" else role,
                         "content": content_text(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": _string(item, "call_id", where), "type": "function",
-                    "function": {"name": _string(item, "name", where),
-                                 "arguments": _string(item, "arguments", where)}}
+            call = {"id": openai_api.required_string(item, "call_id", where), "type": "function",
+                    "function": {"name": openai_api.required_string(item, "name", where),
+                                 "arguments": openai_api.required_string(item, "arguments", where)}}
             if out and out[-1]["role"] == "assistant":  # the calls of one answer are one assistant message
                 out[-1].setdefault("tool_calls", []).append(call)
                 out[-1]["content"] = out[-1]["content"] or None
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            out.append({"role": "tool", "tool_call_id": _string(item, "call_id", where),
+            out.append({"role": "tool", "tool_call_id": openai_api.required_string(item, "call_id", where),
                         "content": content_text(item.get("output"), f"{where}.output")})
         elif kind == "reasoning":  # (the model writes none; another model's reasoning is not shown to it)
             continue
@@ -317,13 +317,6 @@ def content_text(content, where: str) -> str:
             raise ValueError(f"{where}: a {kind} part needs its text as a string, got {part!r}")
         texts.append(text)
     return "\n".join(texts)
-
-
-def _string(item: dict, key: str, where: str) -> str:
-    value = item.get(key)
-    if not isinstance(value, str):
-        raise ValueError(f"{where}.{key} must be a string, got {value!r}")
-    return value
 
 
 def chat_tools(tools) -> list[dict] | None:
