@@ -122,7 +122,8 @@ def _ggml_base():
                             ("ggml_type_name", [ctypes.c_int], ctypes.c_char_p),
                             ("ggml_type_size", [ctypes.c_int], ctypes.c_size_t),
                             ("ggml_blck_size", [ctypes.c_int], ctypes.c_int64),
-                            ("ggml_is_quantized", [ctypes.c_int], ctypes.c_bool)):
+                            ("ggml_is_quantized", [ctypes.c_int], ctypes.c_bool),
+                            ("ggml_backend_buffer_name", [ctypes.c_void_p], ctypes.c_char_p)):
         fn = getattr(base, name)
         fn.argtypes, fn.restype = args, res
     return base
@@ -134,6 +135,7 @@ class Seen:
     count: int = 0
     runs: set = field(default_factory=set)
     device: dict = field(default_factory=dict)  # backend name -> its own supports_op (a device of the library)
+    buffers: set = field(default_factory=set)   # where its result was: the buffer of the backend that computed it
 
 
 class Recorder:
@@ -193,6 +195,9 @@ class Recorder:
                 s.device[backend] = bool(self._supports(dev, ptr))
         s.count += 1
         s.runs.add(self.run)
+        t = ctypes.cast(ptr, ctypes.POINTER(ggml_tensor)).contents
+        if t.buffer:
+            s.buffers.add(_ggml_base().ggml_backend_buffer_name(t.buffer).decode())
 
 
 @dataclass
@@ -204,6 +209,7 @@ class Run:
     type_kv: str = "f16"
     temperature: float = 0.0
     batched: bool = False
+    dense: str = ""  # the dense run of the same model, cache and batch: the model's own nodes
 
 
 def runs() -> list[Run]:
@@ -230,7 +236,13 @@ def runs() -> list[Run]:
     for r in sfi:
         name = f"dense-{r.model}{'' if r.flash_attn else '-no-fa'}-{r.type_kv}{'-batched' if r.batched else ''}"
         dense.setdefault(name, Run(name, r.model, {}, r.flash_attn, r.type_kv, batched=r.batched))
+        r.dense = name
     return list(dense.values()) + sfi
+
+
+def with_their_dense_runs(names: set[str]) -> set[str]:
+    """The runs named, and the dense runs that tell their SFI nodes from the model's."""
+    return set(names) | {r.dense for r in runs() if r.name in names}
 
 
 def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = None) -> dict[str, dict]:
@@ -281,9 +293,13 @@ def audit(seen: dict[tuple, Seen], checkers: dict[str, so.SupportsOp]) -> dict:
         sig = s.node.signature()
         row = rows.setdefault(sig, dict(signature=sig, nodes=0, sfi=sig not in dense_sigs,
                                         host_only=s.node.op in HOST_ONLY_OPS, runs=set(),
-                                        names=set(), verdicts={b: set() for b in checkers}, examples={}))
+                                        names=set(), verdicts={b: set() for b in checkers}, examples={},
+                                        buffers=set(), device={}))
         row["nodes"] += s.count
         row["runs"] |= s.runs
+        row["buffers"] |= s.buffers
+        for backend, ok in s.device.items():
+            row["device"].setdefault(backend, set()).add(ok)
         if s.node.name:
             row["names"].add(s.node.name.rsplit("-", 1)[0] if s.node.name.rsplit("-", 1)[-1].isdigit() else s.node.name)
         for backend, check in checkers.items():
@@ -303,7 +319,8 @@ def verdict_text(verdicts: set) -> str:
     return "/".join(v for v in ("yes", "no", "unknown") if v in verdicts)
 
 
-def print_report(result: dict, steps: dict, checkers: dict) -> None:
+def print_report(result: dict, steps: dict, checkers: dict, where: bool = False) -> None:
+    """where: a column of the buffers the nodes' results were in (the backends that computed them)."""
     print("SFI's graphs on the CPU with LLAMA_SFI_FUSED=0 (what a backend without the fused ops builds):")
     for name, counts in steps.items():
         print(f"  {name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
@@ -312,7 +329,8 @@ def print_report(result: dict, steps: dict, checkers: dict) -> None:
     for r in result["rows"]:
         print(f"{r['signature'][:54]:54} {r['nodes']:6d}  "
               + "  ".join(f"{verdict_text(r['verdicts'][b]):8}" for b in backends_)
-              + ("  " + ", ".join(sorted(r["names"])[:3]) if r["sfi"] and r["names"] else "  yes" if r["sfi"] else ""))
+              + ("  " + ", ".join(sorted(r["names"])[:3]) if r["sfi"] and r["names"] else "  yes" if r["sfi"] else "")
+              + (f"  [in {', '.join(sorted(r['buffers']))}]" if where else ""))
     for b in backends_:
         bad = [r for r in result["rows"] if r["verdicts"][b] != {"yes"}]
         print(f"\n{b}: {len(bad)} kinds of node not known to run there" + (":" if bad else ""))
@@ -358,18 +376,18 @@ def main(argv=None) -> int:
 
     own = {d["backend"]: d["ptr"] for d in devices.devices() if d["backend"] in checkers}
     recorder = Recorder(own)
-    only = {r.name for r in runs() if r.name.startswith("dense")} | set(args.runs) if args.runs else None
+    only = with_their_dense_runs(set(args.runs)) if args.runs else None
     steps = capture(recorder, args.n_gpu_layers, only)
     if recorder.errors:
         raise RuntimeError(f"recording the graphs failed: {recorder.errors[0]} ({len(recorder.errors)} errors)")
     result = audit(recorder.seen, checkers)
-    print_report(result, steps, checkers)
+    print_report(result, steps, checkers, where=args.n_gpu_layers > 0)
     problems = failures(result, metal_buffers_are_host(sources))
     if args.json:
         def plain(x):
             return sorted(x) if isinstance(x, set) else x
         args.json.write_text(json.dumps(dict(steps=steps, devices=sorted(own), failures=problems, **{
-            "rows": [{k: ({b: plain(v) for b, v in val.items()} if k == "verdicts" else plain(val))
+            "rows": [{k: ({b: plain(v) for b, v in val.items()} if k in ("verdicts", "device") else plain(val))
                       for k, val in r.items()} for r in result["rows"]],
             "mismatches": result["mismatches"]}), indent=1))
     print("\n" + ("audit: FAILED\n  " + "\n  ".join(problems) if problems else

@@ -26,7 +26,7 @@ from supports_op import Node  # noqa: E402
 
 @pytest.fixture(scope="module")
 def sources():
-    return backend_audit.read_sources(None)  # the pinned sdist's tree (our patches touch neither backend)
+    return backend_audit.read_sources(None)  # the pinned sdist's tree (our patches change neither supports_op)
 
 
 @pytest.fixture(scope="module")
