@@ -245,10 +245,8 @@ def with_their_dense_runs(names: set[str]) -> set[str]:
     return set(names) | {r.dense for r in runs() if r.name in names}
 
 
-def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = None,
-            host_picks: bool = False) -> dict[str, dict]:
-    """Every run of runs() with the recorder attached; returns each run's step counts. host_picks: greedy picks
-    by the host's sampler chain (top_k 1), not in the graph."""
+def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = None) -> dict[str, dict]:
+    """Every run of runs() with the recorder attached; returns each run's step counts."""
     import numpy as np
 
     from sfi_gguf import context, llama
@@ -269,9 +267,7 @@ def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = N
         with llm:
             prompt = [int(t) for t in rng.integers(3, 300, 700)]
             if not run.batched:
-                temperature = run.temperature or (1.0 if host_picks else 0.0)
-                s = llm.generate(prompt, max_tokens=40, temperature=temperature, top_k=1 if host_picks else 40,
-                                 seed=1, ignore_eos=True).stats.sfi
+                s = llm.generate(prompt, max_tokens=40, temperature=run.temperature, seed=1, ignore_eos=True).stats.sfi
                 out[run.name] = dict(dense=40) if s is None else dict(bootstrap=s.n_bootstrap, slow=s.n_slow, fast=s.n_fast, dense=s.n_dense,
                                      device_selections=s.n_device_selections)
                 continue
@@ -279,7 +275,7 @@ def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = N
             # and its refreshes fall between theirs (steps of slow and fast sequences together)
             decoder = llm.batched_decoder()
             requests = [llm.batch_request([int(t) for t in rng.integers(3, 300, 500 + 40 * i)], max_tokens=m,
-                                          temperature=1.0 if host_picks else 0.0, top_k=1, ignore_eos=True)
+                                          temperature=0.0, ignore_eos=True)
                         for i, m in enumerate((13, 40, 40, 30))]
             decoder.run(requests)
             out[run.name] = dict(mixed=decoder.n_mixed, **{k: v for k, v in decoder.n_decode.items()})
