@@ -80,8 +80,8 @@ class LlamaContext:
     # handles have them; borrowed contexts keep these defaults
     _device_picks: DevicePicks | None = None
     _all_device_picks: Sequence[DevicePicks] = ()
-    _picks_on_device = False  # ... attached: a decode copies its pick, not its logits
-    _sampled_on_device = False  # the last decode did
+    _picks_on_device: DeviceChain | None = None  # ... attached, these picks: a decode copies its pick, not its logits
+    _sampled_on_device: DeviceChain | None = None  # the picks the last decode made (None: it copied its logits)
 
     def __init__(self, model_path: Path, n_ctx: int, n_gpu_layers: int, n_threads: int | None,
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
@@ -225,7 +225,7 @@ class LlamaContext:
         handle._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         handle._device_picks = DevicePicks(self.ctx, seq)
         self._all_device_picks.append(handle._device_picks)
-        handle._picks_on_device = handle._sampled_on_device = False
+        handle._picks_on_device = handle._sampled_on_device = None
         return handle
 
     def _closed(self) -> ContextError:
@@ -320,11 +320,11 @@ class LlamaContext:
         if self._device_picks is None:
             return False
         if picks is not None:
-            self._picks_on_device = self._device_picks.attach(picks)
+            self._picks_on_device = picks if self._device_picks.attach(picks) else None
         else:
             self._device_picks.detach()
-            self._picks_on_device = False
-        return self._picks_on_device
+            self._picks_on_device = None
+        return self._picks_on_device is not None
 
     def set_device_greedy(self, on: bool) -> bool:
         """`set_device_picks` of the greedy pick (on), or of none."""
@@ -338,7 +338,7 @@ class LlamaContext:
     def greedy_token(self) -> int:
         """The most likely next token after the last decode (the first of equal maxima on the host)."""
         if self._sampled_on_device:
-            if not self._device_picks.picks.greedy:
+            if not self._sampled_on_device.greedy:
                 raise ContextError("the last decode sampled its token on the device (set_device_picks) and copied no "
                                    "logits: its greedy pick is not known")
             return self._device_picks.token(self.logits_index)
@@ -419,7 +419,7 @@ class LlamaContext:
             raise ContextError(f"context full: {len(self.tokens)} + {len(tokens)} tokens > n_ctx={self.n_ctx}")
         self._fill(tokens, len(self.tokens), want_last_logits)
         self.logits_index = -1
-        self._sampled_on_device = self._picks_on_device and want_last_logits
+        self._sampled_on_device = self._picks_on_device if want_last_logits else None
         rc = llama_cpp.llama_decode(self.ctx, self._batch)
         if rc != 0:
             raise ContextError(f"llama_decode failed with code {rc}")

@@ -26,14 +26,12 @@ _init_greedy.restype = llama_cpp.llama_sampler_p_ctypes
 _greedy_on_backend = lib.llama_sfi_sampler_greedy_on_backend
 _greedy_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
 _greedy_on_backend.restype = ctypes.c_bool
-# (absent from a library built before it: sampling then stays on the host)
-_init_dist = getattr(lib, "llama_sfi_sampler_init_dist", None)
-_dist_on_backend = getattr(lib, "llama_sfi_sampler_dist_on_backend", None)
-if _init_dist is not None and _dist_on_backend is not None:
-    _init_dist.argtypes = [llama_cpp.llama_sampler_p_ctypes, ctypes.c_uint32]
-    _init_dist.restype = llama_cpp.llama_sampler_p_ctypes
-    _dist_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
-    _dist_on_backend.restype = ctypes.c_bool
+_init_dist = lib.llama_sfi_sampler_init_dist
+_init_dist.argtypes = [llama_cpp.llama_sampler_p_ctypes, ctypes.c_uint32]
+_init_dist.restype = llama_cpp.llama_sampler_p_ctypes
+_dist_on_backend = lib.llama_sfi_sampler_dist_on_backend
+_dist_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
+_dist_on_backend.restype = ctypes.c_bool
 
 GREEDY = DeviceChain()
 
@@ -62,8 +60,6 @@ class DevicePicks:
             llama_cpp.llama_sampler_reset(self._chain)  # (dist: its draws from the seed again)
             return True
         self.detach()
-        if not picks.greedy and _init_dist is None:
-            return False
         chain = _new_chain()
         if picks.greedy:
             pick = _init_greedy()

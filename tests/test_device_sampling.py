@@ -154,7 +154,7 @@ def test_a_batch_samples_in_the_graph_per_sequence(model, monkeypatch):
         assert len(picks) == 6 * 24
         assert [c.tokens for c in device] == [c.tokens for c in host]
         assert [c.stats.sfi.slow_steps for c in device] == [c.stats.sfi.slow_steps for c in host]
-        assert sum(c.stats.sfi.n_slow for c in device) >= 6 and len({tuple(c.tokens) for c in device}) == 3
+        assert all(c.stats.sfi.n_slow >= 1 for c in device) and len({tuple(c.tokens) for c in device}) == 3
 
         mixed = run("device", "penalty", "device")
         assert len(picks) == 8 * 24
