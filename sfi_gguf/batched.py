@@ -11,7 +11,8 @@ Selector, view) and sampler. A step
 
 So the weights are read once per step, whatever the mix. Slow sequences whose exports differ (device
 candidate counts, Selectors or groups of layers to refresh: short and long contexts) cannot share a
-decode: all but one such group decode apart, before the rest. `BatchedDecoder` keeps slots that
+decode: all but one such group decode apart, before the rest; so does a slow sequence that decodes its
+fast steps' tokens again with its own (`SFIConfig.redecode_tail`), in a ubatch of its own. `BatchedDecoder` keeps slots that
 requests join and leave between steps; `SFILlama.generate_batch` and `sfi-gguf serve --parallel` use it.
 """
 from __future__ import annotations
@@ -133,10 +134,6 @@ class BatchedDecoder:
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
         stepper = self.make_stepper(slot.ctx, request.config)
-        if getattr(getattr(stepper, "config", None), "redecode_tail", False):
-            raise ValueError("SFIConfig.redecode_tail re-decodes a sequence's recent tokens at its slow steps, which a "
-                             "batched step (one token per sequence) does not hold: decode such requests alone "
-                             "(n_parallel=1)")
         slot.request = request
         slot.stepper = stepper
         # (a slot keeps its sampler chain between requests that pick alike: attaching or detaching one makes llama.cpp
@@ -180,9 +177,11 @@ class BatchedDecoder:
         ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
         planned = [(slot, slot.stepper.plan(slot.token)) for slot in self.active]
-        for group in self._groups(planned):
+        tails = {slot: tail for slot, kind in planned if (tail := self._take_tail(slot, kind))}
+        groups = [[(slot, "slow")] for slot in tails] + self._groups([p for p in planned if p[0] not in tails])
+        for group in groups:
             t_group = time.perf_counter()
-            self._decode(group)
+            self._decode(group, tails.get(group[0][0]))
             seconds = time.perf_counter() - t_group
             kinds = {kind for _, kind in group}
             self.t_decode[next(k for k in GROUP_ORDER if k in kinds)] += seconds
@@ -200,6 +199,12 @@ class BatchedDecoder:
         self.t_steps += dt
         self.n_steps += bool(planned)
         return ended
+
+    @staticmethod
+    def _take_tail(slot: _Slot, kind: str) -> list[int]:
+        """The tokens the slot's step decodes again before its own (`SFIStepper.take_tail`; none for a dense stepper)."""
+        take = getattr(slot.stepper, "take_tail", None)
+        return take(kind) if take is not None else []
 
     @staticmethod
     def _export_key(slot: _Slot) -> tuple:
@@ -223,7 +228,11 @@ class BatchedDecoder:
         rest = [(slot, kind) for slot, kind in planned if kind != "slow" or (slot, kind) in main]
         return apart + [rest]
 
-    def _decode(self, group: list[tuple[_Slot, str]]) -> None:
+    def _decode(self, group: list[tuple[_Slot, str]], tail: list[int] | None = None) -> None:
+        """One llama_decode of the group's tokens. With `tail` the group is one slow sequence that decodes those
+        tokens again before its own, all in one ubatch of its own: one pass over its cache (in a llama_decode with
+        the others, llama.cpp would split the sequence's tokens into a ubatch of one token with theirs and one of the
+        rest, reading its cache twice)."""
         native = self.native()
         if native is not None and native._initialized:
             for slot, kind in group:
@@ -233,6 +242,11 @@ class BatchedDecoder:
                 native.set_n_candidates(slow.stepper.native.n_candidates)
                 native.set_selector(slow.stepper.native.selector)
                 native.set_refresh_layers(*slow.stepper.native.refresh_layers)
+        if tail:
+            (slot, _), = group
+            slot.stepper.decode_with_tail(tail, slot.token)
+            self.n_llama_decode += 1
+            return
         rc = decode_one_per_sequence(self.base.ctx, self._batch,
                                      [(slot.ctx.seq, len(slot.ctx.tokens), slot.token) for slot, _ in group])
         self.n_llama_decode += 1

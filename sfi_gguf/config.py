@@ -74,12 +74,12 @@ class SFIConfig:
     (teacher-forced agreement at 4K, k_head 512: 0.953 -> 0.695), so it is off by default."""
 
     redecode_tail: bool = False
-    """A slow step first decodes again, densely, the tokens that fast steps wrote since the last refresh,
-    so that their keys and values are dense ones (a fast step's KV comes from attention over the sparse
-    memory, and later steps, slow ones included, keep reading it); then its own token as usual, whose
-    query chooses the selection. One more llama_decode of ~16 tokens per refresh; its effect on
-    teacher-forced agreement is in BENCHMARKS.md, "The fast steps' KV". Single-sequence decoding only (a
-    batched step holds one token per sequence)."""
+    """A slow step decodes again, densely, the tokens that fast steps wrote since the last refresh, in one
+    ubatch with its own token, so that their keys and values are dense ones (a fast step's KV comes from
+    attention over the sparse memory, and later steps, slow ones included, keep reading it); only its own
+    token's row is exported, so the selection is the one it would be without the option. A slow step of
+    ~16 tokens in place of one; its effect on answer agreement is in BENCHMARKS.md, "The fast steps' KV".
+    In a batch, such a slow step decodes apart from the other sequences' tokens."""
 
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""

@@ -119,6 +119,7 @@ _seq_get_mass = _bind("llama_sfi_seq_get_mass", [_ctx_p, ctypes.c_int32, _i32p, 
 _seq_get_evidence = _bind("llama_sfi_seq_get_evidence", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
 _seq_get_key_norms = _bind("llama_sfi_seq_get_key_norms", [_ctx_p, ctypes.c_int32, _i32p, _i32p, _i32p], _f32p)
 _set_n_candidates = _bind("llama_sfi_set_n_candidates", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_set_n_query_rows = _bind("llama_sfi_set_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
 _seq_get_candidates = _bind("llama_sfi_seq_get_candidates", [_ctx_p, ctypes.c_int32, _i32p, _i32p], _i32p)
 _selector_default_params = _bind("llama_sfi_selector_default_params", [], llama_sfi_selector_params)
 _set_selector = _bind("llama_sfi_set_selector", [_ctx_p, ctypes.POINTER(llama_sfi_selector_params)], ctypes.c_int32)
@@ -270,6 +271,11 @@ class SFINative:
         """Slow steps export only this many candidate cells per layer, chosen on the device (0: all)."""
         _check("llama_sfi_set_n_candidates", _set_n_candidates(self.ctx, int(n_candidates)))
 
+    def set_n_query_rows(self, n_query_rows: int) -> None:
+        """Slow steps from now on take the last n_query_rows tokens of a slow sequence's ubatch as query rows (the
+        init parameter's value: `params["n_query_rows"]`)."""
+        _check("llama_sfi_set_n_query_rows", _set_n_query_rows(self.ctx, int(n_query_rows)))
+
     def set_selector(self, params: dict | None) -> None:
         """Slow steps with candidates run the Selector on the device with these `llama_sfi_selector_params`
         (missing fields: the C defaults; None: no device Selector) and export only its selection."""
@@ -389,7 +395,7 @@ class SFISequence:
     PER_SEQUENCE = frozenset({"status", "set_selection", "load_selection", "selection_overlap", "mass", "evidence",
                               "key_norms", "candidates", "selection", "selection_size", "n_query_rows", "cell_pos",
                               "set_mode"})
-    SHARED = frozenset({"params", "n_layers", "n_head_kv"})
+    SHARED = frozenset({"params", "n_layers", "n_head_kv", "set_n_query_rows"})
 
     def __init__(self, native: SFINative, seq: int):
         self.base, self.seq = native, seq

@@ -40,6 +40,7 @@ class SFIStats:
     n_bootstrap: int = 0
     n_cheap_refresh: int = 0        # new recent window without a slow step
     n_fell_back: int = 0            # fast steps that ran dense because the view was not valid
+    n_redecoded: int = 0            # fast steps' tokens decoded again by slow steps (redecode_tail)
     refresh_overlap: list[float] = field(default_factory=list)  # per slow-step refresh
     slow_steps: list[int] = field(default_factory=list)          # generated-token index of each slow step
     reasons: dict[str, int] = field(default_factory=dict)
@@ -147,22 +148,34 @@ class SFIStepper:
     def step(self, token: int) -> None:
         kind = self.plan(token)
         t0 = time.perf_counter()
-        if kind == "slow" and self.config.redecode_tail and self._tail:
-            self._decode_with_tail(token)
+        tail = self.take_tail(kind)
+        if tail:
+            self.decode_with_tail(tail, token)
         else:
             self.ctx.decode_one(token)
         self.finish(kind, time.perf_counter() - t0)
 
-    def _decode_with_tail(self, token: int) -> None:
-        """The slow step of `redecode_tail`: the fast steps' tokens since the last refresh are decoded again
-        densely, so that their cells hold dense KV; then `token` alone as the slow step (its export and
-        selection come from its own query, as without the option)."""
-        tokens = list(self.ctx.tokens)
-        self.ctx.truncate(len(tokens) - min(self._tail, len(tokens) - 1))
-        self.native.set_mode(SFINative.DENSE)
-        self.ctx.prefill(tokens)
-        self.native.set_mode(SFINative.SLOW)
-        self.ctx.decode_one(token)
+    def take_tail(self, kind: str) -> list[int]:
+        """The tokens a step of `kind` decodes again before its own, removed from the cache here: with
+        `redecode_tail`, a slow step's are the fast steps' tokens since the last refresh (their cells then hold
+        dense KV, which every later step reads); otherwise none."""
+        if kind != "slow" or not self.config.redecode_tail or not self._tail:
+            return []
+        n = len(self.ctx.tokens)
+        n_keep = n - min(self._tail, n - 1)
+        tail = self.ctx.tokens[n_keep:]
+        self.ctx.truncate(n_keep)
+        self.stats.n_redecoded += len(tail)
+        return tail
+
+    def decode_with_tail(self, tail: list[int], token: int) -> None:
+        """The slow step of `redecode_tail`: `tail` and `token` in one ubatch (one pass over the cache), whose
+        export is `token`'s row alone, so that the selection is the one it would be without the option."""
+        self.native.set_n_query_rows(1)
+        try:
+            self.ctx.prefill(self.ctx.tokens + tail + [token])
+        finally:
+            self.native.set_n_query_rows(self.native.params["n_query_rows"])
 
     def plan(self, token: int) -> str:
         """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), mode set.

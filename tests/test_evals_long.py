@@ -173,3 +173,7 @@ def test_tiny_long_suite_runs_every_task_with_one_prefill_per_document(tmp_path)
     assert all(len(r["top1_bits"]) == r["n_generated"] <= 12 and 0 <= r["first_divergence"] <= 12 for r in forced)
     again = run_suite(suite, out, n_threads=2)  # resume: nothing left to run
     assert len(again["records"]) == len(records)
+    # one of the budgets only (`sfi-gguf eval --k-head`)
+    one = run_suite(suite, tmp_path / "one-budget.json", tasks=["agreement"], policies=["dense", "punctuation"],
+                    k_heads=[64], n_threads=2)
+    assert {(r["policy"], r["k_head"]) for r in one["records"]} == {("dense", 64), ("punctuation", 64)}

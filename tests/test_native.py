@@ -663,6 +663,35 @@ def test_mass_matches_softmax(tiny, rows, extra, flash_attn):
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
+def test_query_rows_set_between_slow_steps(tiny, flash_attn):
+    """llama_sfi_set_n_query_rows: the next slow ubatch, of the same shape as the last, exports that many rows (its
+    graph is not the last one's), the same mass as a context started with that many."""
+    P = 150
+    c, d = Ctx(tiny, flash_attn=flash_attn), Ctx(tiny, flash_attn=flash_attn)
+    try:
+        toks = tokens_for(tiny, P + 8, seed=7)
+        for x in (c, d):
+            x.decode(toks[:P])
+        sfi, one_row = SFINative(c.ctx, n_query_rows=4), SFINative(d.ctx, n_query_rows=1)
+        for s in (sfi, one_row):
+            s.set_mode(s.SLOW)
+        c.decode(toks[P:P + 4])
+        G = llama_cpp.llama_model_n_head(tiny.ptr) // sfi.n_head_kv
+        assert sfi.n_query_rows() == 4 and np.allclose(sfi.mass().sum(-1), 4 * G, rtol=1e-4)
+        sfi.set_n_query_rows(1)
+        c.decode(toks[P + 4:])
+        d.decode(toks[P:P + 4])
+        d.decode(toks[P + 4:])
+        assert sfi.n_query_rows() == 1 and np.allclose(sfi.mass().sum(-1), G, rtol=1e-4)
+        np.testing.assert_allclose(sfi.mass(), one_row.mass(), rtol=1e-5, atol=1e-7)
+        with pytest.raises(SFIError):
+            sfi.set_n_query_rows(0)
+    finally:
+        for x in (c, d):
+            x.close()
+
+
+@pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 def test_candidate_export_matches_full_export(tiny, flash_attn):
     """With candidates, a slow step exports the n cells of most head-summed evidence, with the values a
     full export has at those cells (chosen and gathered on the device)."""

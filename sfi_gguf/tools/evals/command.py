@@ -30,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")
+    p.add_argument("--k-head", nargs="+", type=int, default=None,
+                   help="only the suite's budgets with these k_head values (the long suite: 2048 and 12.5%% of the context)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/eval-SUITE.json)")
     p.add_argument("--fresh", action="store_true", help="ignore records already in --out instead of resuming")
@@ -47,7 +49,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out) if args.out else REPO / "benchmarks" / "results" / f"eval-{args.suite}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=args.policy,
-                     contexts=args.context, max_cases=args.cases, n_threads=args.threads, resume=not args.fresh)
+                     contexts=args.context, max_cases=args.cases, k_heads=args.k_head, n_threads=args.threads,
+                     resume=not args.fresh)
     print(markdown_table(data["rows"]))
     print(f"results: {out}", file=sys.stderr)
     if args.report:

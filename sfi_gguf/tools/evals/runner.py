@@ -208,7 +208,7 @@ def save(path: Path, data: dict) -> None:
 
 
 def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None, *, models=None, tasks=None,
-              policies=None, contexts=None, max_cases: int | None = None, n_threads: int | None = None,
+              policies=None, contexts=None, max_cases: int | None = None, k_heads=None, n_threads: int | None = None,
               resume: bool = True, log=sys.stderr) -> dict:
     """Run `suite` (a name in SUITES or a Suite) and return {"records": [...], "rows": [...]}.
 
@@ -216,7 +216,8 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
     already in `out` are kept and their (case, policy, budget) triples are not run again.
     `models`, `tasks`, `contexts`: run only these of the suite; `policies`: these names of
     ALL_POLICIES (default: the suite's); `max_cases`: at most this many cases per task and context
-    (the first ones, so a later run with more cases adds to them).
+    (the first ones, so a later run with more cases adds to them); `k_heads`: only the budgets of the suite with these
+    k_head values.
     """
     from ...llama import SFILlama
 
@@ -269,21 +270,23 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
             # label -> (policy, the k_heads it is recorded at): dense runs once, recorded at every budget
             todo: dict[str, tuple[str, list[int]]] = {}
             for k_head in plan.k_heads(context):
+                if k_heads and k_head not in k_heads:
+                    continue
                 for p in policies:
                     if (llm.model_path.name, case.task, case.context, case.case_id, p, k_head) in done:
                         continue
                     label = p if p == "dense" else f"{p}@{k_head}"
                     todo.setdefault(label, (p, []))[1].append(k_head)
             if todo:
-                configs = {label: policy_config(p, k_heads[0], plan.n_recent) for label, (p, k_heads) in todo.items()}
+                configs = {label: policy_config(p, ks[0], plan.n_recent) for label, (p, ks) in todo.items()}
                 t0 = time.perf_counter()
                 run = module.run_case if hasattr(module, "run_case") else (
                     lambda llm_, case_, tokens_, configs_: _qa_case(llm_, module, case_, tokens_, configs_))
                 results = run(llm, case, tokens, configs)
                 for label, res in results.items():
                     res["sfi"] = _sfi_summary(res.get("sfi"))
-                    policy, k_heads = todo[label]
-                    for k_head in k_heads:
+                    policy, recorded_at = todo[label]
+                    for k_head in recorded_at:
                         data["records"].append({
                             "model": llm.model_path.name, "task": case.task, "context": case.context,
                             "case_id": case.case_id, "policy": policy, "prompt_tokens": len(tokens), "k_head": k_head,
