@@ -126,8 +126,9 @@ if [[ " $stages " == *" serve-load "* ]]; then
     python3 -m pip install -q --no-index --find-links .gpu/wheels-openai openai || exit 1
     M=$(model qwen3-4b f16)
     python3 benchmarks/serve_load.py -m "$M" -ngl 99 --parallel 8 --conversations ${SFI_LOAD_N:-8} \
-        --doc-tokens ${SFI_LOAD_DOC:-32768} --max-tokens 256 ${SFI_LOAD_ARGS:-} \
-        --json "$OUT/serve_load-h200-qwen3-4b-f16-p8-c${SFI_LOAD_N:-8}-${SFI_LOAD_DOC:-32768}${SFI_BENCH_TAG:-}.json" 2>&1 | tail -14
+        --doc-tokens ${SFI_LOAD_DOC:-32768} --max-tokens 256 \
+        --json "$OUT/serve_load-h200-qwen3-4b-f16-p8-c${SFI_LOAD_N:-8}-${SFI_LOAD_DOC:-32768}${SFI_BENCH_TAG:-}.json" \
+        ${SFI_LOAD_ARGS:-} 2>&1 | tail -14  # (SFI_LOAD_ARGS last: its --server-args takes the rest)
 fi
 if [[ " $stages " == *" overhead "* ]]; then
     log "dense overhead: SFILlama vs C (Qwen3-4B shape, F16)"
