@@ -15,8 +15,7 @@ import numpy as np
 
 from ._native import llama_cpp
 from ._progress import Progress
-from .device_picks import GREEDY, DevicePicks
-from .sampling import DeviceChain
+from .device_picks import GREEDY, DeviceChain, DevicePicks
 from .policy import top1_probability
 
 

@@ -7,7 +7,7 @@ sequence adds the pick to the graph and the decode copies two numbers:
 
 - greedy: the argmax and its probability (`llama_sfi_sampler_init_greedy`, native/src/llama-sfi-sampler.cpp), the
   same token as the host's argmax up to exact ties;
-- sampling: llama.cpp's top-k, top-p, min-p and temperature samplers (`sampling.add_filters`), then dist's pick with
+- sampling: llama.cpp's top-k, top-p, min-p and temperature samplers (`add_filters`), then dist's pick with
   the request's seed and the top-1 probability of the raw logits (`llama_sfi_sampler_init_dist`: its random number
   in a buffer every graph reads, as SFI keeps several graphs). The same seed gives the same tokens from run to run,
   and the host chain's tokens for that seed up to rounding (README, Python API: the two sum the probabilities in
@@ -16,9 +16,9 @@ sequence adds the pick to the graph and the decode copies two numbers:
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 from ._native import lib, llama_cpp
-from .sampling import DeviceChain, add_filters
 
 _init_greedy = lib.llama_sfi_sampler_init_greedy
 _init_greedy.argtypes = []
@@ -32,6 +32,38 @@ _init_dist.restype = llama_cpp.llama_sampler_p_ctypes
 _dist_on_backend = lib.llama_sfi_sampler_dist_on_backend
 _dist_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
 _dist_on_backend.restype = ctypes.c_bool
+
+
+@dataclass(frozen=True)
+class DeviceChain:
+    """The picks a decode's graph makes in place of the host chain (`Sampler.device_chain`): temperature 0 is the
+    greedy pick, else llama.cpp's top-k, top-p, min-p and temperature samplers as `add_filters` orders them, then
+    dist's pick with the seed."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+def add_filters(add, params) -> None:
+    """`add` (a chain's llama_sampler_chain_add) llama-cpp-python's samplers that come before dist, in its order:
+    top-k, typical, top-p, min-p, temperature (params: SamplingParams or DeviceChain; those they turn off left out).
+    The host chain (`sampling.Sampler`) and the graph's both."""
+    if params.top_k > 0:
+        add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
+    if getattr(params, "typical_p", 1.0) < 1.0:
+        add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
+    add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
+    if params.min_p > 0.0:
+        add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
+    add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
+
 
 GREEDY = DeviceChain()
 

@@ -14,7 +14,8 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from .context import LlamaContext
-from .sampling import DeviceChain, Sampler
+from .device_picks import DeviceChain
+from .sampling import Sampler
 
 
 @dataclass

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ._native import llama_cpp
+from .device_picks import DeviceChain, add_filters
 
 if TYPE_CHECKING:
     from .context import LlamaContext
@@ -97,36 +98,6 @@ def is_int(value) -> bool:
 def is_real(value) -> bool:
     """A real number (an int, a float, numpy's), not a bool."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class DeviceChain:
-    """The picks a decode's graph makes in place of the host chain (`sfi_gguf.device_picks`): temperature 0 is the
-    greedy pick, else llama.cpp's top-k, top-p, min-p and temperature samplers as `add_filters` orders them, then
-    dist's pick with the seed."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int = 0
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-
-def add_filters(add, params) -> None:
-    """`add` (a chain's llama_sampler_chain_add) llama-cpp-python's samplers that come before dist, in its order:
-    top-k, typical, top-p, min-p, temperature (params: SamplingParams or DeviceChain; those they turn off left out)."""
-    if params.top_k > 0:
-        add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
-    if getattr(params, "typical_p", 1.0) < 1.0:
-        add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
-    add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
-    if params.min_p > 0.0:
-        add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
-    add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
 
 
 class Sampler:
