@@ -180,11 +180,6 @@ class Sampler:
                 self.device_chain = DeviceChain(temperature=float(params.temperature), top_k=int(params.top_k),
                                                 top_p=float(params.top_p), min_p=float(params.min_p), seed=self.seed)
 
-    @property
-    def reads_logits(self) -> bool:
-        """Whether `sample` reads the logits (anything but a plain greedy pick): the decodes must copy them."""
-        return not self._plain_greedy or self.logits_processor is not None or self.n_logprobs is not None
-
     def sample(self, ctx: "LlamaContext") -> int:
         """Sample from the logits of the last token of the last decode (and accept it)."""
         raw = None
