@@ -229,7 +229,7 @@ def test_rpc_bench_kv_on_host(servers):
     """`sfi-gguf bench --kv-on-host` on a model whose layers an rpc-server holds: each depth's row has dense with host
     KV, SFI with host KV, dense with the cache beside the layers, both prefill times and where the bytes are."""
     from sfi_gguf.tools.bench import markdown_table
-    from sfi_gguf.tools.bench_kv_on_host import run_bench_kv_on_host
+    from sfi_gguf.tools.bench import run_bench_kv_on_host
 
     config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=8, min_context=0)
     rows = run_bench_kv_on_host(four_layers(), depths=[384, 512], n_decode=24, n_gpu_layers=99, n_threads=1,
