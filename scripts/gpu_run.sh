@@ -108,11 +108,11 @@ if [[ " $stages " == *" sampling-tests "* ]]; then
 fi
 if [[ " $stages " == *" sampling-bench "* ]]; then
     # the target: default sampling within 3% of greedy (SFI tok/s), single at 32K and 128K, 4 x 32K batched
+    log "sfi-gguf bench, each step's pick: ${SFI_SAMPLINGS:-greedy default host}, on the same contexts (Qwen3-4B shape, F16)"
+    python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+        --depths ${SFI_BENCH_DEPTHS:-32768 131072} -n ${SFI_BENCH_N:-256} --sampling ${SFI_SAMPLINGS:-greedy default host} \
+        ${SFI_BENCH_ARGS:-} --json "$OUT/bench-h200-qwen3-4b-f16-sampling${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -12
     for s in ${SFI_SAMPLINGS:-greedy default host}; do
-        log "sfi-gguf bench, each step's pick: $s (Qwen3-4B shape, F16)"
-        python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
-            --depths ${SFI_BENCH_DEPTHS:-32768 131072} -n ${SFI_BENCH_N:-256} --sampling $s ${SFI_BENCH_ARGS:-} \
-            --json "$OUT/bench-h200-qwen3-4b-f16-$s${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -4
         for bd in ${SFI_SAMPLING_BATCHES:-4:32768}; do
             b=${bd%%:*}; d=${bd##*:}
             python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \

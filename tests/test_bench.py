@@ -149,7 +149,7 @@ def test_each_step_samples_where_the_option_says(model, monkeypatch):
     picks = []
     real = DevicePicks.token
     monkeypatch.setattr(DevicePicks, "token", lambda self, index: picks.append(self.picks) or real(self, index))
-    assert build_parser().parse_args(["--sampling", "host"]).sampling == "host"
+    assert build_parser().parse_args(["--sampling", "host"]).sampling == ["host"]
     config = SFIConfig(k_head=64, n_recent=64, min_context=0)
     row = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, sampling="default",
                     log=lambda _: None)[0]
@@ -161,3 +161,24 @@ def test_each_step_samples_where_the_option_says(model, monkeypatch):
     batched = run_bench_batched(model, batch=2, depths=[DEPTH], n_decode=8, n_threads=2, config=config,
                                 sampling="default", log=lambda _: None)[0]
     assert batched.sampling == "default" and len(picks) == 3 * 9 + 3 * 2 * 9 and batched.sfi_tok_s > 0
+
+
+def test_picks_and_configs_compared_on_the_same_context(model):
+    """`--sampling greedy default --variant redecode_tail=on`: at each depth dense and SFI decode with each pick, and
+    the variant's SFI run sits beside the default's over the same dense run; each row says its pick and changes."""
+    from sfi_gguf.tools.bench import config_variant, main, markdown_table
+
+    config = SFIConfig(k_head=64, n_recent=64, min_context=0)
+    variant = config_variant(config, "redecode_tail=on")
+    rows = run_bench(model, depths=[DEPTH], n_decode=8, n_threads=2, config=config, samplings=["greedy", "default"],
+                     variants=[variant], log=lambda _: None)
+    assert [(r.sampling, r.config_overrides.get("redecode_tail", False)) for r in rows] == [
+        ("greedy", False), ("greedy", True), ("default", False), ("default", True)]
+    assert rows[0].dense_tok_s == rows[1].dense_tok_s != rows[2].dense_tok_s
+    assert all(r.sfi_tok_s > 0 and r.slow_steps > 0 for r in rows)
+    table = markdown_table(rows)
+    assert "| default | k_head=64, min_context=0, n_recent=64, redecode_tail=True |" in table
+    with pytest.raises(ValueError):
+        config_variant(config, "redecode_tail=maybe")
+    with pytest.raises(SystemExit):
+        main(["-m", str(model), "--batch", "2", "--sampling", "greedy", "default"])

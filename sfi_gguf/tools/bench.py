@@ -262,13 +262,36 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
     return llm, config, depths, shared
 
 
+def _sfi_fields(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling: str, replayed: dict) -> dict:
+    """One SFI run at `depth` on the cached context: its row's SFI fields."""
+    stepper = llm._stepper(config)
+    if replayed and hasattr(stepper, "policy"):
+        stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
+    seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode], sampling)
+    llm.context.truncate(depth)
+    s = stepper.stats if hasattr(stepper, "stats") else None
+    native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
+    return dict(
+        depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
+        sfi_tok_s=n_decode / seconds,
+        slow_steps=s.n_slow if s else 0, fast_steps=s.n_fast if s else 0, dense_steps=s.n_dense if s else 0,
+        t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
+        t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
+        t_selector_background_s=s.t_selector_background if s else 0.0,
+        slow_reasons=dict(s.reasons) if s else {})
+
+
 def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
               n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
               flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 2048,
               split_mode: str = "layer", confidence_trace: dict | None = None, sampling: str = "greedy",
-              type_kv: str = "f16", log: Callable[[str], None] = print) -> list[BenchRow]:
+              type_kv: str = "f16", samplings: Sequence[str] = (), variants: Sequence[SFIConfig] = (),
+              log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense vs SFI at each depth (ascending), plus the ceiling; returns one row per depth.
 
+    `samplings`: several picks (`SAMPLINGS`) compared on the same context: a row per pick and depth, dense and SFI
+    decoded with it. `variants`: more SFI configs decoded on the same context at each depth, a row each, beside
+    dense's (their `config_overrides` say how they differ). Both default to `sampling` and `config` alone.
     `confidence_trace` (`load_confidence_trace`): the trigger policy reads a trained model's confidence
     on this text instead of the benchmarked model's (`ReplayedConfidence`)."""
 
@@ -282,43 +305,36 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
         # checked before any decoding: a trace of another text fails at once, not after an hour of prefill
         replayed = {d: trace_top1(confidence_trace, d, text[d:d + n_decode]) for d in depths} if confidence_trace else {}
 
-        def dense_at(depth: int) -> float:
+        samplings = tuple(samplings) or (sampling,)
+        configs = [config, *variants]
+
+        def dense_at(depth: int, pick: str) -> float:
             ctx.truncate(min(len(ctx.tokens), depth))
             dense = llm._stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
-            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode], sampling)
+            seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode], pick)
             ctx.truncate(depth)
             return n_decode / seconds
 
-        ceiling = dense_at(budget_depth)
+        ceiling = dense_at(budget_depth, samplings[0])
         log(f"ceiling: dense at depth {budget_depth} (the SFI memory): {ceiling:.1f} tok/s")
         rows = []
         # once: nvidia-smi is a subprocess
-        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]), sampling=sampling)
+        shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]))
         for depth in depths:
-            t0 = time.perf_counter()
-            dense_tok_s = dense_at(depth)
-            log(f"depth {depth}: context ready and dense decoded in {time.perf_counter() - t0:.0f} s")
-            stepper = llm._stepper(config)
-            forced = text[depth:depth + n_decode]
-            if replayed and hasattr(stepper, "policy"):
-                stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
-            seconds = decode_forced(llm, stepper, text[:depth], forced, sampling)
-            ctx.truncate(depth)
-            s = stepper.stats if hasattr(stepper, "stats") else None
-            native = (s.t_fast + s.t_slow + s.t_selector + s.t_dense) if s else seconds
-            row = BenchRow(
-                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
-                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
-                dense_tok_s=dense_tok_s, sfi_tok_s=n_decode / seconds, ceiling_tok_s=ceiling,
-                ratio=dense_tok_s and (n_decode / seconds) / dense_tok_s,
-                slow_steps=s.n_slow if s else 0, fast_steps=s.n_fast if s else 0, dense_steps=s.n_dense if s else 0,
-                t_fast_s=s.t_fast if s else 0.0, t_slow_s=s.t_slow if s else 0.0,
-                t_selector_s=s.t_selector if s else 0.0, t_python_s=max(0.0, seconds - native),
-                t_selector_background_s=s.t_selector_background if s else 0.0,
-                slow_reasons=dict(s.reasons) if s else {},
-                confidence_source=f"trace: {confidence_trace['model']}" if confidence_trace else "model")
-            rows.append(row)
-            log(format_row(row))
+            for pick in samplings:
+                t0 = time.perf_counter()
+                dense_tok_s = dense_at(depth, pick)
+                log(f"depth {depth}: context ready and dense decoded ({pick}) in {time.perf_counter() - t0:.0f} s")
+                for run_config in configs:
+                    sfi = _sfi_fields(llm, run_config, depth, text, n_decode, pick, replayed)
+                    row = BenchRow(**{**shared, "config_overrides": config_overrides(run_config)}, **sfi,
+                                   model_shape=model_shape, weight_type=weight_type, sampling=pick,
+                                   dense_tok_s=dense_tok_s, ceiling_tok_s=ceiling,
+                                   ratio=dense_tok_s and sfi["sfi_tok_s"] / dense_tok_s,
+                                   confidence_source=f"trace: {confidence_trace['model']}" if confidence_trace
+                                   else "model")
+                    rows.append(row)
+                    log(format_row(row))
         return rows
     finally:
         llm.close()
@@ -552,8 +568,19 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
     if r0.kv_on_host:
         return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 9 + "|"] +
                          [format_kv_on_host_row(r) for r in rows])
-    sep = "|---" * (HEADER.count("|") - 1) + "|"
-    return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
+    runs = {(r.sampling, json.dumps(r.config_overrides, sort_keys=True)) for r in rows}
+    if len(runs) == 1:
+        sep = "|---" * (HEADER.count("|") - 1) + "|"
+        return "\n".join([head, "", HEADER, sep] + [format_row(r) for r in rows])
+    # several picks or configs on the same contexts: each row says which
+    header = "| picks | SFIConfig changes " + HEADER
+    sep = "|---" * (header.count("|") - 1) + "|"
+    return "\n".join([head.replace(f"picks: {r0.sampling}, ", ""), "", header, sep] +
+                      [f"| {r.sampling} | {_changes(r.config_overrides)} " + format_row(r) for r in rows])
+
+
+def _changes(overrides: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(overrides.items())) or "-"
 
 
 KV_ON_HOST_HEADER = ("| depth | dense, host KV tok/s | SFI, host KV tok/s | SFI / dense host | dense, KV in VRAM tok/s | "
@@ -574,6 +601,40 @@ def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps([dataclasses.asdict(r) for r in rows], indent=1) + "\n")
     return path
+
+
+def config_variant(config: SFIConfig, text: str) -> SFIConfig:
+    """`config` with the fields named in "FIELD=VALUE[,FIELD=VALUE]" changed; values as the field's type reads them
+    (on/off for a flag, "none" for None)."""
+    fields = {f.name for f in dataclasses.fields(SFIConfig)} - {"policy_params", "selector_params"}
+    changes = {}
+    for item in text.split(","):
+        name, sep, value = item.partition("=")
+        name, value = name.strip(), value.strip()
+        if not sep or name not in fields:
+            raise ValueError(f"{item!r}: expected FIELD=VALUE with FIELD one of {', '.join(sorted(fields))}")
+        changes[name] = _field_value(getattr(config, name), value)
+    variant = dataclasses.replace(config, **changes)
+    variant.validate()
+    return variant
+
+
+def _field_value(current, value: str):
+    """`value` read as the type of the field's current value (a field that is None takes on/off, a number or text)."""
+    flag = {"on": True, "true": True, "off": False, "false": False}.get(value.lower())
+    if value.lower() == "none":
+        return None
+    if isinstance(current, bool) or (current is None and flag is not None):
+        if flag is None:
+            raise ValueError(f"on or off, got {value!r}")
+        return flag
+    for kind in ((type(current),) if isinstance(current, (int, float)) else (int, float)):
+        try:
+            return kind(value)
+        except ValueError:
+            if current is not None:
+                raise ValueError(f"a number, got {value!r}") from None
+    return value
 
 
 # -- command line ----------------------------------------------------------------------------------
@@ -617,10 +678,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --batch: start sequence i i x STAGGER steps after the first and time only the steps "
                         "in which all decode, so that their refreshes fall on different steps (as a server's "
                         "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap)")
-    p.add_argument("--sampling", choices=SAMPLINGS, default="greedy",
+    p.add_argument("--sampling", choices=SAMPLINGS, nargs="+", default=["greedy"],
                    help="the pick each step makes and waits for: greedy (default) or default sampling (temperature "
                         "0.8, top-k 40, top-p 0.95, min-p 0.05), both in the decode's graph, or host: that sampling "
-                        "on the host over the copied logits (the forced tokens are fed either way)")
+                        "on the host over the copied logits (the forced tokens are fed either way); several: a row "
+                        "each, on the same context (single sequences)")
+    p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
+                   help="one more SFI run per depth and pick on the same context, with these SFIConfig fields "
+                        "changed (e.g. redecode_tail=on): a row each beside the default's (single sequences; "
+                        "repeatable)")
     p.add_argument("--type-kv", default="f16", choices=["f16", "q8_0", "q4_0", "bf16", "f32"],
                    help="the KV cache's type (keys and values; a quantized V needs flash attention)")
     p.add_argument("--kv-on-host", action="store_true",
@@ -663,14 +729,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     kwargs = dict(model_shape=shape, weight_type=weight_type, depths=args.depths, n_decode=args.n_decode,
                   n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                   flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn], config=config,
-                  split_mode=args.split_mode, sampling=args.sampling)
+                  split_mode=args.split_mode, sampling=args.sampling[0])
+    try:
+        variants = [config_variant(config, text) for text in args.variant]
+    except ValueError as e:
+        raise SystemExit(f"--variant: {e}")
+    if (len(args.sampling) > 1 or variants) and (args.batch > 1 or args.kv_on_host):
+        raise SystemExit("several --sampling values and --variant: single sequences, the KV cache in GPU memory")
     if args.kv_on_host:
         if args.batch > 1 or trace or args.type_kv != "f16":
             raise SystemExit("--kv-on-host: single sequences without --confidence-trace, an F16 cache")
         rows = run_bench_kv_on_host(model, **kwargs)
+    elif args.batch > 1:
+        rows = run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
     else:
-        rows = (run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
-                if args.batch > 1 else run_bench(model, confidence_trace=trace, type_kv=args.type_kv, **kwargs))
+        rows = run_bench(model, confidence_trace=trace, type_kv=args.type_kv, samplings=args.sampling,
+                         variants=variants, **kwargs)
     print()
     print(markdown_table(rows))
     if args.markdown:
@@ -681,7 +755,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if results.is_dir():
             kind = "gpu" if args.n_gpu_layers else "cpu"
             batch = f"-batch{args.batch}" if args.batch > 1 else ""
-            batch += f"-{args.sampling}" if args.sampling != "greedy" else ""
+            batch += "".join(f"-{pick}" for pick in args.sampling if pick != "greedy")
+            batch += "-variants" if variants else ""
             batch += "-kv-on-host" if args.kv_on_host else ""
             batch += f"-kv-{args.type_kv}" if args.type_kv != "f16" else ""
             out = results / f"bench-{kind}-{shape or Path(str(model)).stem}{batch}-{time.strftime('%Y%m%d-%H%M%S')}.json"
