@@ -20,7 +20,8 @@ supports_op answers too, and must agree with the source wherever the source's an
                                                       # pinned sdist; SFI_LLAMA_CPP_SOURCE if set)
 
 Exit status 1 when one of SFI's own nodes is not supported by Metal (or its verdict is unknown) unless it is in
-METAL_GAPS (each listed in README's "Apple Silicon"), or when a device's own supports_op disagrees with its source.
+METAL_GAPS (each listed in docs/backends.md, "Apple Silicon"), or when a device's own supports_op disagrees with its
+source.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import supports_op as so  # noqa: E402
 
-# SFI nodes (op and types, as Node.signature writes them) that Metal does not run, each named in README's
+# SFI nodes (op and types, as Node.signature writes them) that Metal does not run, each named in docs/backends.md,
 # "Apple Silicon" with what it costs there; any other one fails the audit. None today.
 METAL_GAPS: dict[str, str] = {}
 # ggml_custom ops run on the CPU only, and SFI builds one only for a cache in host memory (the column gather of a

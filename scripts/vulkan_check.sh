@@ -23,7 +23,7 @@
 # llama.cpp skips CPU-type devices such as lavapipe unless named).
 # Cost: the first build ~11 CPU-minutes (hundreds of shader variants through glslc), a change of native/src ~3.
 # On lavapipe every test process first spends a minute or more compiling the shaders it uses, and Debian 12's
-# Mesa 22.3 lavapipe crashes in its own queue thread after a few tests (dense decoding too): see README.
+# Mesa 22.3 lavapipe crashes in its own queue thread after a few tests (dense decoding too): see docs/backends.md.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CACHE=${SFI_GGUF_CACHE:-$HOME/.cache/sfi-gguf}

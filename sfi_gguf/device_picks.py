@@ -10,8 +10,8 @@ sequence adds the pick to the graph and the decode copies two numbers:
 - sampling: llama.cpp's top-k, top-p, min-p and temperature samplers (`add_filters`), then dist's pick with
   the request's seed and the top-1 probability of the raw logits (`llama_sfi_sampler_init_dist`: its random number
   in a buffer every graph reads, as SFI keeps several graphs). The same seed gives the same tokens from run to run,
-  and the host chain's tokens for that seed up to rounding (README, Python API: the two sum the probabilities in
-  another order).
+  and the host chain's tokens for that seed up to rounding (docs/python-api.md, "Sampling": the two sum the
+  probabilities in another order).
 """
 from __future__ import annotations
 

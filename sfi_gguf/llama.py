@@ -74,7 +74,7 @@ class SFILlama:
     fields and, by name, the parameters of its policy and selector), or False for plain dense decoding.
     `flash_attn`: SFI works with it on or off. Off is the faster path on CPUs at long context (ggml's
     CPU flash attention reads the KV cache once per query head); on is the default. Either way the same
-    prompt again, served from the cache, continues as from a fresh object (README, "Determinism").
+    prompt again, served from the cache, continues as from a fresh object (docs/reliability.md, "Determinism").
     `n_parallel`: sequences the context holds (n_ctx cells each, one KV stream each) for
     `generate_batch`, which decodes them together; `generate` uses the first.
     `split_mode` ("layer", the default, "row" or "none"), `main_gpu` and `tensor_split` place the

@@ -198,7 +198,7 @@ class SFISelectorParams(SelectorParams):
     nms_strength: float = 0.0
     """Soft-NMS suppression strength a (0 = off). The paper uses 1.0; off here because it drops the
     neighbours of today's peaks, which the next steps read: teacher-forced agreement at 4K context,
-    k_head 512, refresh every 16 steps 0.48 with it, 0.85 without (BENCHMARKS.md, "Agreement upper bound")."""
+    k_head 512, refresh every 16 steps 0.48 with it, 0.85 without (BENCHMARKS.md, "The Selector's stages")."""
     cross_head_alpha: float = 0.85
     """Strength of the cross-head exclusivity term (only used when a layer has > 2 KV heads)."""
     cross_head_temperature: float = 2.0

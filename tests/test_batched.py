@@ -143,7 +143,7 @@ def test_device_selector_each_sequence_decodes_as_it_would_alone(llm, prompts):
 
 @pytest.mark.real_model
 def test_default_model_batched_equals_alone_until_a_near_tie():
-    """What the README promises for batches on the CPU: llama.cpp's kernels compute a row of a batch
+    """What docs/python-api.md promises for batches on the CPU: llama.cpp's kernels compute a row of a batch
     with other rounding than a single token (logits a few hundredths apart, growing through the KV
     cache), so a greedy prompt gets the tokens it gets alone up to the first near-tie, where the two
     may pick different tokens; after that they are different texts. (Measured on 16 short chat prompts,

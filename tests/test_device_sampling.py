@@ -71,7 +71,7 @@ def test_device_sampling_repeats_per_seed_and_is_the_host_chains(model):
         other = run(12, True)[0]
         assert other != device and other == run(12, False)[0]
         # no top-k: the whole vocabulary sorted in the graph, the same tokens again (the host chain's only up to the
-        # rounding of sums over many candidates: README)
+        # rounding of sums over many candidates: docs/python-api.md)
         hot = dict(temperature=1.5, top_k=0, top_p=0.9, min_p=0.0)
         assert run(3, True, **hot)[0] == run(3, True, **hot)[0] != run(4, True, **hot)[0]
     finally:

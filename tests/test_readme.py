@@ -1,6 +1,6 @@
-"""Every ```python block of README.md runs as written, on the default model, each in a process of its own (as a
-reader copies one block). A block that talks to `sfi-gguf serve` at 127.0.0.1:8000 gets a server this test starts
-on a free port (its address put in place of that one)."""
+"""Every ```python block of README.md and of docs/*.md runs as written, on the default model, each in a process of its
+own (as a reader copies one block). A block that talks to `sfi-gguf serve` at 127.0.0.1:8000 gets a server this test
+starts on a free port (its address put in place of that one)."""
 import re
 import subprocess
 import sys
@@ -12,14 +12,22 @@ import pytest
 pytestmark = pytest.mark.real_model
 
 REPO = Path(__file__).resolve().parent.parent
-README = (REPO / "README.md").read_text()
-SERVER = "http://127.0.0.1:8000"  # where the README's client blocks find `sfi-gguf serve --port 8000`
-BLOCKS = [(README.count("\n", 0, m.start()) + 1, m.group(1))
-          for m in re.finditer(r"^```python\n(.*?)^```", README, re.M | re.S)]
+SERVER = "http://127.0.0.1:8000"  # where the docs' client blocks find `sfi-gguf serve --port 8000`
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def python_blocks(path: Path) -> list[tuple[str, str]]:
+    """(path:line, code) of each ```python block of a Markdown file."""
+    text = path.read_text()
+    return [(f"{path.relative_to(REPO)}:{text.count(chr(10), 0, m.start()) + 1}", m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.M | re.S)]
+
+
+BLOCKS = [block for path in DOCS for block in python_blocks(path)]
 
 
 def test_the_readme_has_python_blocks():
-    assert len(BLOCKS) >= 6
+    assert len(python_blocks(REPO / "README.md")) >= 6
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +45,7 @@ def server():
     llm.close()
 
 
-@pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[f"README.md:{line}" for line, _ in BLOCKS])
+@pytest.mark.parametrize("code", [code for _, code in BLOCKS], ids=[where for where, _ in BLOCKS])
 def test_readme_python_block_runs(code, request):
     if SERVER in code:
         code = code.replace(SERVER, request.getfixturevalue("server"))

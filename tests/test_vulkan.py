@@ -29,7 +29,7 @@ need_vulkan = pytest.mark.skipif(not VULKAN, reason="needs a library built with 
 # SFI's nodes that Vulkan does not run (its supports_op, source and device agree), so the scheduler computes them on
 # the CPU: the slow step's keys times queries on a Q8_0 cache, whose per-head view is not contiguous in its first two
 # dimensions (ggml-vulkan multiplies a quantized matrix in place only then); llama.cpp's own attention without flash
-# attention has the same limit, and a Q8_0 V needs flash attention anyway. Named in README's "Apple Silicon".
+# attention has the same limit, and a Q8_0 V needs flash attention anyway. Named in docs/backends.md, "Apple Silicon".
 VULKAN_GAPS = {"MUL_MAT F32 <- Q8_0, F32"}
 
 
