@@ -10,13 +10,13 @@ import numpy as np
 
 from sfi_gguf import _log
 from sfi_gguf._native import llama_cpp
-from test_native import GGML_TYPE_F16, Model, all_cells, run_pair  # tests/ is on sys.path (pytest's import mode)
+from native_harness import GGML_TYPE_F16, Model, all_cells, run_pair  # tests/ is on sys.path (pytest's import mode)
 
 SPLIT_LAYER = llama_cpp.LLAMA_SPLIT_MODE_LAYER
 
 
 class PlacedModel(Model):
-    """test_native.Model loaded with n_gpu_layers, split_mode, main_gpu and an explicit device list."""
+    """native_harness.Model loaded with n_gpu_layers, split_mode, main_gpu and an explicit device list."""
 
     def __init__(self, path, n_gpu_layers=99, split_mode=SPLIT_LAYER, main_gpu=0, devices=None):
         llama_cpp.llama_backend_init()

@@ -10,10 +10,8 @@ import asyncio
 
 import pytest
 
-from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
-from serving import running_server
 
 agents = pytest.importorskip("agents")
 anthropic = pytest.importorskip("anthropic")
@@ -32,12 +30,9 @@ def weather_report(city: str) -> str:
     return f"Weather report for {city}: 18 degrees Celsius, light rain.\n\n" + REPORT
 
 
-@pytest.fixture(scope="module")
-def served():
-    """The model (small k_head and recent window: sparse from a few hundred cells on) and its server."""
-    llm = SFILlama(None, n_ctx=2560, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
-    with running_server(llm, "test-model") as srv:
-        yield llm, srv
+# the `llm` fixture's SFILlama keywords (conftest.py): a small k_head and recent window, sparse from a few
+# hundred cells on
+LLM_ARGS = dict(n_ctx=2560, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
 
 
 def assert_sparse_after_report(llm):
@@ -60,15 +55,14 @@ def weather_agent(model, calls: list):
 
 
 @pytest.mark.parametrize("api", ["responses", "chat_completions"])
-def test_openai_agents_function_tool(served, api):
+def test_openai_agents_function_tool(llm, server, api):
     """An Agent's run: the forced call, the tool's long report sent back, a text answer. Over the Responses API
     the run streams and chains its turns by previous_response_id (the second turn sends only the tool's output)."""
-    llm, srv = served
     agents.set_tracing_disabled(True)
     calls = []
 
     async def run():
-        client = openai.AsyncOpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=600)
+        client = openai.AsyncOpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=600)
         if api == "chat_completions":
             agent = weather_agent(agents.OpenAIChatCompletionsModel("test-model", client), calls)
             return await agents.Runner.run(agent, QUESTION, max_turns=3), None
@@ -90,11 +84,10 @@ def test_openai_agents_function_tool(served, api):
     assert_sparse_after_report(llm)
 
 
-def test_anthropic_tool_round_trip_streamed(served):
+def test_anthropic_tool_round_trip_streamed(llm, server):
     """messages.create forces the tool (tool_use block), the long tool_result goes back, and the answer streams
     (tool_choice none: the tools stay in the prompt, so its whole first turn comes from the cache)."""
-    llm, srv = served
-    client = anthropic.Anthropic(base_url=srv.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=600)
+    client = anthropic.Anthropic(base_url=server.url.removesuffix("/v1"), api_key="unused", max_retries=0, timeout=600)
     tools = [{"name": "get_weather", "description": "The current weather report of a city.",
               "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
     greedy = {"temperature": 0}  # (this SDK's create() has no sampling arguments)
@@ -127,19 +120,18 @@ class Weather(BaseModel):
     temperature_celsius: int
 
 
-def test_pydantic_ai_tool_and_typed_result(served):
+def test_pydantic_ai_tool_and_typed_result(llm, server):
     """A pydantic-ai agent over the Messages API: its tool call, then its typed result (pydantic-ai's output tool,
     forced: the call grammar holds the arguments to the result's schema)."""
     from pydantic_ai.models.anthropic import AnthropicModel
     from pydantic_ai.providers.anthropic import AnthropicProvider
 
-    llm, srv = served
     calls = []
 
     async def once(ctx, tool_def):  # one lookup per question
         return None if calls else tool_def
 
-    provider = AnthropicProvider(base_url=srv.url.removesuffix("/v1"), api_key="unused")
+    provider = AnthropicProvider(base_url=server.url.removesuffix("/v1"), api_key="unused")
     agent = pydantic_ai.Agent(AnthropicModel("test-model", provider=provider), output_type=Weather,
                               instructions="Look the weather up with the tool, then report it.",
                               model_settings={"temperature": 0, "max_tokens": MAX_TOKENS,  # (the API version that

@@ -3,10 +3,8 @@ greedy): a two-tool loop to its final answer, with one tool result long enough t
 `with_structured_output` by JSON schema and by function calling."""
 import pytest
 
-from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
-from serving import running_server
 
 langchain_openai = pytest.importorskip("langchain_openai")
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
@@ -32,19 +30,20 @@ def add(a: float, b: float) -> float:
 TOOLS = {"get_weather": get_weather, "add": add}
 
 
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=4096, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
+
+
 @pytest.fixture(scope="module")
-def served():
-    llm = SFILlama(None, n_ctx=4096, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
-    with running_server(llm, "test-model") as srv:
-        yield llm, langchain_openai.ChatOpenAI(base_url=srv.url, api_key="unused", model="test-model",
-                                               temperature=0, max_tokens=64, max_retries=0, timeout=300)
+def chat(server):
+    return langchain_openai.ChatOpenAI(base_url=server.url, api_key="unused", model="test-model", temperature=0,
+                                       max_tokens=64, max_retries=0, timeout=300)
 
 
-def test_two_tool_loop_reaches_a_final_answer(served):
+def test_two_tool_loop_reaches_a_final_answer(llm, chat):
     """The loop of a LangChain agent: the model's tool calls run and answered with ToolMessages until it answers.
     The model picks its first tool itself; the controller then asks for the tool it has not used yet (a named
     tool_choice), and for the final answer once both ran (tool_choice "none")."""
-    llm, chat = served
     messages = [HumanMessage("What is 2 plus 3? And what is the weather in Paris?")]
     used = []
     for _ in range(4):
@@ -75,7 +74,6 @@ class Person(BaseModel):
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
-def test_structured_output(served, method):
-    _, chat = served
+def test_structured_output(chat, method):
     person = chat.with_structured_output(Person, method=method).invoke("Invent a person.")
     assert isinstance(person, Person) and person.name and person.age >= 0

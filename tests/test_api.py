@@ -4,7 +4,7 @@ import inspect
 
 import pytest
 
-from sfi_gguf import SFILlama, ensure_model, openai_api  # first: points llama_cpp at the patched library
+from sfi_gguf import ensure_model, openai_api  # first: points llama_cpp at the patched library
 from llama_cpp import llama_types  # noqa: E402,I001
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
@@ -14,13 +14,6 @@ pytestmark = pytest.mark.real_model
 THREADS = 1  # one thread: 2 cores shared with other jobs make 2 llama.cpp threads spin-wait (10x slower)
 PROMPT = "The three most important ideas in computer architecture are"
 CHAT = [{"role": "user", "content": "Name three primary colors."}]
-
-
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=1024, n_threads=THREADS)
-    yield model
-    model.close()
 
 
 @pytest.fixture(scope="module")

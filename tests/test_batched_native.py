@@ -6,63 +6,22 @@ exports). Random-weight models, so the tests run anywhere; SFI_TEST_NGL puts the
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import numpy as np
 import pytest
 
 from sfi_gguf import native
 from sfi_gguf._native import llama_cpp
-from sfi_gguf.context import decode_one_per_sequence
 from sfi_gguf.native import SFINative, SFISequence
-from test_native import FLASH_ATTN, GGML_TYPE_F16, GGML_TYPE_Q8_0, Ctx, Model, tiny, tokens_for  # noqa: F401  (tiny: the fixture)
+import batched_checks
+from native_harness import (FLASH_ATTN, GGML_TYPE_F16, GGML_TYPE_Q8_0, N_CTX_SEQ, N_SEQ, Ctx, MultiCtx, select_all,
+                            seq_cells, tokens_for)
 
-N_SEQ = 3
 PROMPTS = (150, 201, 120)  # different lengths: the views differ in size and cells
-N_CTX_SEQ = 512
-
-
-class MultiCtx(Ctx):
-    """A context with one KV stream per sequence and a batch of up to one token per sequence."""
-
-    def __init__(self, model: Model, n_seq=N_SEQ, flash_attn=True, type_kv=GGML_TYPE_F16, offload_kqv=True):
-        super().__init__(model, n_ctx=n_seq * N_CTX_SEQ, flash_attn=flash_attn, n_seq_max=n_seq, type_kv=type_kv,
-                         offload_kqv=offload_kqv)
-        self.n_past = [0] * n_seq
-
-    def prefill(self, seq, tokens):
-        b = self.batch
-        b.n_tokens = len(tokens)
-        for i, tok in enumerate(tokens):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.seq_id[i][0] = int(tok), self.n_past[seq] + i, 1, seq
-            b.logits[i] = i == len(tokens) - 1
-        assert llama_cpp.llama_decode(self.ctx, b) == 0
-        self.n_past[seq] += len(tokens)
-
-    def step(self, tokens: dict[int, int]) -> dict[int, np.ndarray]:
-        """One token for each sequence in `tokens` (seq -> token), in one llama_decode; logits per seq."""
-        seqs = sorted(tokens)
-        assert decode_one_per_sequence(self.ctx, self.batch, [(s, self.n_past[s], int(tokens[s])) for s in seqs]) == 0
-        out = {}
-        for i, s in enumerate(seqs):
-            self.n_past[s] += 1
-            out[s] = self.logits(i)
-        return out
 
 
 def prefill_all(ctx: MultiCtx, model):
     for s, n in enumerate(PROMPTS):
         ctx.prefill(s, tokens_for(model, n, seed=10 + s))
-
-
-def seq_cells(sfi: SFINative, seq: int) -> np.ndarray:
-    return np.flatnonzero(sfi.cell_pos(seq) >= 0).astype(np.int32)
-
-
-def select_all(sfi: SFINative, seq: int, order=None) -> None:
-    cells = seq_cells(sfi, seq)
-    sel = np.broadcast_to(cells, (sfi.n_layers, sfi.n_head_kv, len(cells))) if order is None else cells[order]
-    sfi.set_selection(np.ascontiguousarray(sel), seq=seq)
 
 
 def dense_and_selected(model, flash_attn=True):
@@ -235,122 +194,13 @@ def test_mixed_slow_and_fast_sequences(tiny):
         b.close()
 
 
-def _at_cells(values: np.ndarray, cells: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """values [n_head_kv, n] of candidate cells `cells` [n], at the cells `wanted` (a subset), in order."""
-    return values[:, np.argsort(cells)[np.searchsorted(np.sort(cells), wanted)]]
-
-
-# per step, each of 4 sequences' mode: runs of one kind of every length and order, all of one kind, each alone
-MIXES = ("FSFD", "SFFS", "DDSF", "FFFF", "SSSS", "FDSS", "SFSF", "DFFF")
-MODE_OF = {"F": SFINative.FAST, "S": SFINative.SLOW, "D": SFINative.DENSE}
-
-
-# the mixed-step tests' four sequences and the device Selector's budget
-MIXED_PROMPTS = (150, 201, 120, 170)
-MIXED_SINK, MIXED_RECENT, MIXED_K_HEAD = 4, 32, 48
-
-
-@contextmanager
-def one_and_by_kind(model, flash_attn, export, offload_kqv=True):
-    """Two contexts holding the same four prompts, each with SFI on every sequence (all its cells selected) and the
-    export of `export` ("every_cell", "candidates" or "device_selector"): (one, by_kind, sfi_one, sfi_kind), closed
-    afterwards. One decodes a step's sequences in one llama_decode, the other one decode per kind."""
-    from sfi_gguf.selector import SFISelector
-
-    one = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
-    by_kind = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
-    try:
-        for c in (one, by_kind):
-            for s, n in enumerate(MIXED_PROMPTS):
-                c.prefill(s, tokens_for(model, n, seed=10 + s))
-        sfis = [SFINative(c.ctx, n_sel_max=256, n_tail_max=64) for c in (one, by_kind)]
-        for sfi in sfis:
-            if export != "every_cell":
-                sfi.set_n_candidates(64)
-            if export == "device_selector":
-                sfi.set_selector(SFISelector().device_params(MIXED_K_HEAD, MIXED_SINK, MIXED_RECENT))
-            for s in range(len(MIXED_PROMPTS)):
-                select_all(sfi, s)
-        yield (one, by_kind, *sfis)
-    finally:
-        one.close()
-        by_kind.close()
-
-
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 @pytest.mark.parametrize("export", ["every_cell", "candidates", "device_selector"])
 def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, export):
     """One llama_decode whose sequences are slow, dense and fast in any mix (each in its own mode) gives
     every sequence the logits, exports and selection that the same step gives it as one decode per kind
     (slow ones together, then dense, then fast); the views keep working across such steps."""
-    mixed_equals_by_kind(tiny, flash_attn, export)
-
-
-def mixed_equals_by_kind(model, flash_attn, export, offload_kqv=True):
-    """test_one_decode_equals_its_sequences_decoded_by_kind on `model` (test_rpc.py runs it with the cache in host
-    memory and the views on an rpc-server)."""
-    n_seq = len(MIXED_PROMPTS)
-    with one_and_by_kind(model, flash_attn, export, offload_kqv) as (one, by_kind, sfi_one, sfi_kind):
-        sfis = [sfi_one, sfi_kind]
-        toks = {s: 3 + s for s in range(n_seq)}
-        for step, mix in enumerate(MIXES):
-            for s in range(n_seq):
-                sfi_one.set_mode(MODE_OF[mix[s]], seq=s)
-            lo = one.step(toks)
-            lk = {}
-            for kind in "SDF":
-                seqs = [s for s in range(n_seq) if mix[s] == kind]
-                if seqs:
-                    sfi_kind.set_mode(MODE_OF[kind])
-                    lk.update(by_kind.step({s: toks[s] for s in seqs}))
-            for s in range(n_seq):
-                # (batches of other sizes round differently: a few thousandths on a GPU after some steps)
-                assert np.abs(lo[s] - lk[s]).max() < 2e-2 and lo[s].argmax() == lk[s].argmax(), (step, s)
-                assert bool(sfi_one.status(s) & native.STATUS_LAST_FAST) == (mix[s] == "F"), (step, s)
-                assert (sfi_one.mass(s) is not None) == (mix[s] == "S" and export != "device_selector"), (step, s)
-            for s in range(n_seq):
-                if mix[s] == "D":
-                    for sfi in sfis:
-                        select_all(sfi, s)
-                if mix[s] != "S":
-                    continue
-                if export == "device_selector":
-                    # the same cells in each row up to near-ties, which may go the other way in another batch (a
-                    # few cells of a row on a GPU; another sequence's selection would share about a quarter)
-                    x, ref = sfi_one.selection(s), sfi_kind.selection(s)
-                    assert x.shape == ref.shape, (step, s)
-                    rows_x, rows_ref = x.reshape(-1, x.shape[-1]), ref.reshape(-1, ref.shape[-1])
-                    shared = [len(np.intersect1d(a, b)) / len(a) for a, b in zip(rows_x, rows_ref)]
-                    assert min(shared) > 0.9, (step, s, shared)
-                    # (selections that differ by a near-tie would part the next fast steps' logits: then
-                    # both take all their cells again)
-                    same = np.array_equal(x, ref)
-                    for sfi in sfis:
-                        if same:
-                            sfi.load_selection(s)
-                        else:
-                            select_all(sfi, s)
-                    continue
-                for get in ("mass", "evidence", "key_norms"):
-                    x, ref = getattr(sfi_one, get)(s), getattr(sfi_kind, get)(s)
-                    if export == "candidates":
-                        # the same cells up to a near-tie at the last candidate, compared cell by cell
-                        cx, cr = sfi_one.candidates(s), sfi_kind.candidates(s)
-                        common = [np.intersect1d(cx[i], cr[i]) for i in range(len(cx))]
-                        assert min(map(len, common)) >= 0.95 * cx.shape[1], (step, s)
-                        x, ref = [np.concatenate([_at_cells(v[i], c[i], common[i]) for i in range(len(c))], axis=1)
-                                  for v, c in ((x, cx), (ref, cr))]
-                    assert x.shape == ref.shape and np.abs(x - ref).max() / np.abs(ref).max() < 5e-3, (step, s, get)
-                # both reload the sequence's cells in the order of one export's mass
-                mass, cells = sfi_kind.mass(s), seq_cells(sfi_kind, s)
-                if export == "candidates":
-                    for sfi in sfis:
-                        select_all(sfi, s)
-                    continue
-                order = np.argsort(-mass[:, :, cells], axis=-1, kind="stable")
-                for sfi in sfis:
-                    select_all(sfi, s, order)
-            toks = {s: int(np.argmax(lk[s])) for s in range(n_seq)}
+    batched_checks.mixed_equals_by_kind(tiny, flash_attn, export)
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
@@ -358,41 +208,7 @@ def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
     """Sequences that refresh at different steps (one slow sequence per step, in turn, with the device Selector)
     decode in one llama_decode what they decode as one decode per kind, and once every mix has been seen its graph
     is reused, not rebuilt (llama.cpp's count of reused graphs), although the mix changes at every step."""
-    staggered_refreshes(tiny, flash_attn)
-
-
-def staggered_refreshes(model, flash_attn):
-    """test_staggered_refreshes_reuse_their_graphs on `model` (test_rpc.py runs it with layers on an rpc-server)."""
-    n_seq = len(MIXED_PROMPTS)
-    with one_and_by_kind(model, flash_attn, "device_selector") as (one, by_kind, sfi_one, sfi_kind):
-        sfis = [sfi_one, sfi_kind]
-        mixes = ["".join("S" if j == i else "F" for j in range(n_seq)) for i in range(n_seq)]
-        toks = {s: 3 + s for s in range(n_seq)}
-        reused, parted = [], False
-        for cycle in range(3):
-            for step, mix in enumerate(mixes):
-                slow = mix.index("S")
-                for s in range(n_seq):
-                    sfi_one.set_mode(MODE_OF[mix[s]], seq=s)
-                lo, lk = one.step(toks), {}
-                for kind in "SF":
-                    sfi_kind.set_mode(MODE_OF[kind])
-                    lk.update(by_kind.step({s: toks[s] for s in range(n_seq) if mix[s] == kind}))
-                for s in range(n_seq):
-                    assert np.abs(lo[s] - lk[s]).max() < 2e-2 and lo[s].argmax() == lk[s].argmax(), (cycle, step, s)
-                    toks[s] = int(lk[s].argmax())
-                # the slow sequence's new memory: the device selection, unless a near-tie parted the two (then all
-                # its cells, for both; its next fast step gathers them, a mix of its own)
-                same = np.array_equal(np.sort(sfi_one.selection(slow), axis=-1), np.sort(sfi_kind.selection(slow), axis=-1))
-                parted |= not same
-                for sfi in sfis:
-                    if same:
-                        sfi.load_selection(slow)
-                    else:
-                        select_all(sfi, slow)
-            reused.append(llama_cpp.llama_perf_context(one.ctx).n_reused)
-        if not parted:
-            assert reused[2] - reused[1] == len(mixes), reused  # every step of the third cycle took a kept graph
+    batched_checks.staggered_refreshes(tiny, flash_attn)
 
 
 def test_many_sequences_refresh_and_export_together(tiny):

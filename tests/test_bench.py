@@ -12,6 +12,8 @@ from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 
+# every test runs a random model with the default model's tokenizer, copied from the downloaded model
+pytestmark = pytest.mark.real_model
 DEPTH, N_DECODE = 768, 48
 
 
@@ -35,7 +37,6 @@ def _trace(forced, top1):
                                                                        "top1": top1}}}
 
 
-@pytest.mark.real_model
 def test_bench_replays_the_trace_instead_of_the_models_confidence(model, forced):
     config = SFIConfig(k_head=64, n_recent=64, min_context=0, min_gap=8, warmup_refresh=0, refresh_interval=1000,
                        confidence_floor=0.5)
@@ -51,7 +52,6 @@ def test_bench_replays_the_trace_instead_of_the_models_confidence(model, forced)
     assert unsure.slow_reasons == own.slow_reasons
 
 
-@pytest.mark.real_model
 def test_a_trace_of_other_tokens_or_depths_is_refused_before_decoding(model, forced, tmp_path):
     other = list(forced)
     other[3] += 1
@@ -70,7 +70,6 @@ def test_a_trace_of_other_tokens_or_depths_is_refused_before_decoding(model, for
         load_confidence_trace(path)
 
 
-@pytest.mark.real_model
 def test_a_committed_trace_matches_the_bench_text_of_this_python(model):
     """benchmarks/data's trace for this Python's text (texts.py builds it from pydoc_data.topics) was taken on the
     tokens the bench decodes."""
@@ -109,7 +108,6 @@ def test_a_row_records_the_settings_that_differ_from_the_defaults(model, monkeyp
     assert row.fa_evidence_env == "0" and row.keep_graphs_env == "1" and row.cuda_graphs_disabled is True
 
 
-@pytest.mark.real_model
 def test_a_quantized_cache_is_benched_and_recorded(model):
     """`--type-kv q8_0`: dense and SFI over a Q8_0 KV cache (flash attention on, as a quantized V needs), the row
     and the table say so."""
@@ -122,7 +120,6 @@ def test_a_quantized_cache_is_benched_and_recorded(model):
     assert "KV cache q8_0" in markdown_table([row])
 
 
-@pytest.mark.real_model
 def test_staggered_sequences_refresh_on_different_steps(model):
     """`--batch N --stagger S`: started S steps apart, the sequences' refreshes (on random weights one every
     16 steps after the last) fall on different steps, so the timed steps mix slow and fast sequences; a row

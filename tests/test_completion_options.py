@@ -11,13 +11,6 @@ pytestmark = pytest.mark.real_model
 PROMPT = "The three most important ideas in computer architecture are"
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=1024, n_threads=1)
-    yield model
-    model.close()
-
-
 def test_echo_puts_the_prompt_first(llm):
     plain = llm(PROMPT, max_tokens=6, temperature=0)["choices"][0]["text"]
     echoed = llm(PROMPT, max_tokens=6, temperature=0, echo=True)["choices"][0]["text"]

@@ -13,11 +13,8 @@ PROMPT = "The three most important ideas in computer architecture are"
 THREADS = 2
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=1024, n_threads=THREADS, sfi=False)
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=1024, n_threads=THREADS, sfi=False)
 
 
 def test_greedy_generation_is_deterministic(llm):

@@ -132,11 +132,8 @@ def test_a_batch_picks_on_the_device_per_sequence(model, monkeypatch):
         llm.close()
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=4096, n_threads=2, sfi=SFIConfig(k_head=512))
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=4096, n_threads=2, sfi=SFIConfig(k_head=512))
 
 
 def _count_device_picks(monkeypatch) -> list:

@@ -98,11 +98,8 @@ def test_what_reads_or_changes_the_logits_keeps_the_host_chain():
         assert chain(**host_only) is None, host_only
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=4096, n_threads=2, sfi=SFIConfig(k_head=512, confidence_floor=0.8))
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=4096, n_threads=2, sfi=SFIConfig(k_head=512, confidence_floor=0.8))
 
 
 @pytest.mark.real_model

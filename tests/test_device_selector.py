@@ -18,7 +18,7 @@ from sfi_gguf.native import SFINative
 from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
 from sfi_gguf.tools.random_model import random_model
-from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tiny, tiny_qwen3, tokens_for  # noqa: F401  (fixtures)
+from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tokens_for
 
 N_SINK, N_RECENT, K_HEAD = 4, 64, 96
 # the slow step's attention as ggml_sfi_flash_attn_evidence (by default on a GPU, LLAMA_SFI_FA_EVIDENCE=1 on the CPU):

@@ -150,6 +150,7 @@ def test_the_long_suite_fits_the_default_models_training_context():
     assert context_size({"longgen": TaskPlan(contexts=(3072,), options={"n_steps": 1024})}) == 3072 + 256 + 1024
 
 
+@pytest.mark.real_model
 def test_tiny_long_suite_runs_every_task_with_one_prefill_per_document(tmp_path):
     from sfi_gguf.tools.evals import run_suite
 

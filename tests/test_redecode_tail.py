@@ -15,11 +15,8 @@ pytestmark = pytest.mark.real_model
 N_CTX = 2048
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=N_CTX, n_threads=2)
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=N_CTX, n_threads=2)
 
 
 @pytest.fixture(scope="module")

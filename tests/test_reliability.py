@@ -28,11 +28,6 @@ N_CTX = 512
 SFI = SFIConfig(k_head=64, n_recent=32, refresh_interval=32, min_gap=8)
 
 
-@pytest.fixture(scope="module")
-def tiny_path():
-    return random_model("tiny-llama")
-
-
 def make(path, sfi=SFI, n_ctx=N_CTX, **kw):
     return SFILlama(str(path), n_ctx=n_ctx, n_threads=THREADS, sfi=sfi, **kw)
 

@@ -9,9 +9,6 @@ import urllib.request
 
 import pytest
 
-from sfi_gguf import SFILlama
-from serving import running_server
-
 openai = pytest.importorskip("openai")
 anthropic = pytest.importorskip("anthropic")
 from pydantic import BaseModel  # noqa: E402
@@ -21,17 +18,6 @@ pytestmark = pytest.mark.real_model
 TOOLS = [{"type": "function", "name": "get_weather", "description": "The current weather of a city.",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}]
 GREEDY = {"temperature": 0}
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server(SFILlama(None, n_ctx=1024, n_threads=1), "test-model") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,9 @@ from sfi_gguf._native import llama_cpp
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
-from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
+from batched_checks import mixed_equals_by_kind, staggered_refreshes
+from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
-from test_batched_native import mixed_equals_by_kind, staggered_refreshes
 
 SERVER = os.environ.get("SFI_RPC_SERVER", "")
 

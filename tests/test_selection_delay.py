@@ -2,7 +2,6 @@
 selection is loaded a fixed number of fast steps after the slow step, on the real default model."""
 import pytest
 
-from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.sfi import SFIStepper
 from sfi_gguf.tools.texts import natural_text
@@ -12,11 +11,8 @@ pytestmark = pytest.mark.real_model
 N_CTX = 2048
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=N_CTX, n_threads=2)
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=N_CTX, n_threads=2)
 
 
 @pytest.fixture(scope="module")

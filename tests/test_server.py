@@ -9,25 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from sfi_gguf import SFILlama
-from serving import running_server
-
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.real_model
 
 CHAT = [{"role": "user", "content": "Name three primary colors."}]
 PROMPT = "The three most important ideas in computer architecture are"
-
-
-@pytest.fixture(scope="module")
-def server():
-    with running_server(SFILlama(None, n_ctx=1024, n_threads=1), "test-model") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def test_models(client):

@@ -6,21 +6,12 @@ import json
 
 import pytest
 
-from sfi_gguf import SFILlama
-from serving import running_server
-
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.real_model
 
 PROMPT = "The three most important ideas in computer architecture are"
 CHAT = [{"role": "user", "content": "Name a colour."}]
 SAMPLED = dict(temperature=1.5, top_p=1.0, seed=7, extra_body={"min_p": 0.0})  # wide sampling: seeded choices differ
-
-
-@pytest.fixture(scope="module")
-def client():
-    with running_server(SFILlama(None, n_ctx=1024, n_threads=1), "test-model") as srv:
-        yield openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
 
 
 def test_n_completions_are_indexed_seeded_and_counted(client):

@@ -19,17 +19,11 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.tools.random_model import random_model
 from sfi_gguf.server import SFIServer
 
 BODY_TIMEOUT = 1.0
 MAX_BODY = 64 * 1024
 WAIT = 30  # seconds any single answer may take here
-
-
-@pytest.fixture(scope="module")
-def tiny_path():
-    return random_model("tiny-llama")
 
 
 class Running:

@@ -5,7 +5,6 @@ reused between them (prefix reuse), so the ~3.7K-token prefill is paid once.
 """
 import pytest
 
-from sfi_gguf import SFILlama
 from sfi_gguf.tools.agreement import agreement_with, compare_with_dense, dense_reference
 from sfi_gguf.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
@@ -16,11 +15,8 @@ N_CTX = 4096
 PROMPT_TOKENS = 3700
 
 
-@pytest.fixture(scope="module")
-def llm():
-    model = SFILlama(None, n_ctx=N_CTX, n_threads=2, sfi=SFIConfig(k_head=512))
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=N_CTX, n_threads=2, sfi=SFIConfig(k_head=512))
 
 
 @pytest.fixture(scope="module")

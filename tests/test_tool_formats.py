@@ -164,13 +164,8 @@ def test_format_from_template(template, kind):
         assert fmt.named_form == ("[ARGS]" in template)
 
 
-@pytest.fixture(scope="module")
-def llm():
-    from sfi_gguf import SFILlama
-
-    model = SFILlama(None, n_ctx=1024, n_threads=1, sfi=False)
-    yield model
-    model.close()
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=1024, n_threads=1, sfi=False)
 
 
 @pytest.mark.real_model

@@ -27,11 +27,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SUM = [{"role": "user", "content": "What is 2 plus 3? Use the tool."}]
 
 
-@pytest.fixture(scope="module")
-def client():
-    llm = SFILlama(None, n_ctx=4096, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
-    with running_server(llm, "test-model") as srv:
-        yield openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=300)
+# the `llm` fixture's SFILlama keywords (conftest.py)
+LLM_ARGS = dict(n_ctx=4096, n_threads=1, sfi=SFIConfig(k_head=64, n_recent=64))
 
 
 def _create(client, **kwargs):

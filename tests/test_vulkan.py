@@ -18,7 +18,7 @@ from sfi_gguf.config import SFIConfig
 from sfi_gguf.llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
-from test_native import GGML_TYPE_F16, GGML_TYPE_Q8_0
+from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "native"))
 import backend_audit  # noqa: E402
