@@ -121,14 +121,27 @@ def apply_patches(tree: Path) -> None:
         raise SystemExit("sfi-gguf: the patches did not take effect (src/CMakeLists.txt does not list llama-sfi*.cpp)")
 
 
+SOURCES_MANIFEST = ".sfi-sources"  # the tree's files copied from our sources, one per line
+
+
 def copy_sources(tree: Path) -> None:
-    """native/src, native/include and native/ggml into the tree (only the files whose bytes changed)."""
+    """native/src, native/include and native/ggml into the tree (only the files whose bytes changed); a file copied
+    before whose source is gone is removed (ggml-cuda builds every .cu in its folder)."""
+    copied = set()
     for src_dir, rel in SOURCE_DIRS.items():
         for path in sorted(src_dir.rglob("*")):
+            if not path.is_file():
+                continue
             out = tree / rel / path.relative_to(src_dir)
-            if path.is_file() and (not out.exists() or out.read_bytes() != path.read_bytes()):
+            copied.add(out.relative_to(tree).as_posix())
+            if not out.exists() or out.read_bytes() != path.read_bytes():
                 out.parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(path, out)  # (not copy2: a changed file must look newer than what was built from it)
+    manifest = tree / SOURCES_MANIFEST
+    before = set(manifest.read_text().split()) if manifest.exists() else set()
+    for gone in sorted(before - copied):
+        (tree / gone).unlink(missing_ok=True)
+    manifest.write_text("".join(f"{name}\n" for name in sorted(copied)))
 
 
 def prepare(dest: Path, source: Path | None) -> None:

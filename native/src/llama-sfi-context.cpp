@@ -1,7 +1,7 @@
 // The SFI state of a llama_context: each decode's step, and the copy of a slow step's exports to the host
 #include "llama-sfi-context.h"
 
-#include "llama-sfi-graph.h"
+#include "llama-sfi-ubatch-graph.h"
 #include "llama-sfi-view.h"
 
 #include "llama-batch.h"

@@ -4,7 +4,7 @@
 // slow steps
 
 #include "llama-sfi.h"
-#include "llama-sfi-graphs.h"
+#include "llama-sfi-kept-graphs.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"

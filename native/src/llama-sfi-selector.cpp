@@ -2,8 +2,8 @@
 // the k_head best cells per layer and KV head (sfi_gguf/selector.py is the reference), and gathered into the view
 #include "llama-sfi-selector.h"
 
-#include "llama-sfi-export.h"
-#include "llama-sfi-graph.h"
+#include "llama-sfi-ubatch-graph.h"
+#include "llama-sfi-layer-export.h"
 #include "llama-sfi-view.h"
 
 #include "ggml-backend.h"

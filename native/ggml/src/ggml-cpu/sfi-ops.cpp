@@ -104,6 +104,29 @@ static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf
     return (float) std::sqrt(sq);
 }
 
+// the scores of a KV head's n_q query rows (q_conv: sfi_key_products::set_row) over every cell of (head h, batch b),
+// as flash attention defines them, softcap*tanh(q.k) + mask (row j's mask row: j % n_mask_rows), into
+// scores[j*n_kv + c]; with kn each key's norm at kn[(b*n_kv + c)*n_head_kv + h] (k_f32: n_embd floats)
+static void sfi_cell_scores(const sfi_key_products & products, const ggml_tensor * k, const ggml_tensor * mask, const char * q_conv,
+        int64_t n_q, int64_t n_mask_rows, float softcap, int64_t h, int64_t b, float * scores, float * kn, float * k_f32) {
+    const int64_t n_kv      = k->ne[1];
+    const int64_t n_head_kv = k->ne[2];
+
+    for (int64_t c = 0; c < n_kv; ++c) {
+        const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
+        for (int64_t j = 0; j < n_q; ++j) {
+            float s = products.dot(k_row, q_conv, j);
+            if (softcap > 0.0f) {
+                s = softcap*tanhf(s);
+            }
+            scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_mask_rows, b);
+        }
+        if (kn) {
+            kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, k_f32);
+        }
+    }
+}
+
 // one thread per (head, batch) pair at a time: the scores of every row, their max and sum, then the evidence. The
 // products are the CPU's own (the query rows converted to the keys' vec_dot type, as mul_mat and flash attention do),
 // so the probabilities are those of the attention the step computed
@@ -136,6 +159,9 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
 
     GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float);
 
+    // the key norms [n_head_kv, n_kv, nb] after the evidence
+    float * kn = norms ? (float *) ((char *) dst->data + dst->nb[3]) : nullptr;
+
     for (int64_t pair = params->ith; pair < n_head_kv*nb; pair += params->nth) {
         const int64_t h = pair % n_head_kv;
         const int64_t b = pair / n_head_kv;
@@ -144,21 +170,7 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
             products.set_row(q_conv, j, (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]));
         }
 
-        for (int64_t c = 0; c < n_kv; ++c) {
-            const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
-            for (int64_t j = 0; j < n_q; ++j) {
-                float s = products.dot(k_row, q_conv, j);
-                if (softcap > 0.0f) {
-                    s = softcap*tanhf(s);
-                }
-                scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_rows, b);
-            }
-            if (norms) {
-                // [n_head_kv, n_kv, nb] after the evidence
-                float * kn = (float *) ((char *) dst->data + dst->nb[3]) + (b*n_kv + c)*n_head_kv + h;
-                *kn = sfi_key_norm(k, k_row, k_f32);
-            }
-        }
+        sfi_cell_scores(products, k, mask, q_conv, n_q, n_rows, softcap, h, b, scores, kn, k_f32);
 
         float * evid = (float *) ((char *) dst->data + h*dst->nb[1] + b*dst->nb[2]);
         std::fill(evid, evid + n_kv, 0.0f);
@@ -509,10 +521,6 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
         auto q_row = [&](int64_t j) {
             return (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] + (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3]);
         };
-        auto mask_at = [&](int64_t c, int64_t j) {
-            const char * p = (const char *) mask->data + c*mask->nb[0] + (j % n_tokens)*mask->nb[1] + (b % mask->ne[3])*mask->nb[3];
-            return GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p);
-        };
 
         for (int64_t j = 0; j < n_q; ++j) {
             const float * qj = q_row(j);
@@ -522,19 +530,7 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
             products.set_row(q_conv, j, q_sc + j*D);
         }
 
-        for (int64_t c = 0; c < n_kv; ++c) {
-            const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
-            for (int64_t j = 0; j < n_q; ++j) {
-                float s = products.dot(k_row, q_conv, j);
-                if (softcap > 0.0f) {
-                    s = softcap*tanhf(s);
-                }
-                scores[j*n_kv + c] = s + mask_at(c, j);
-            }
-            if (norms) {
-                kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, kf);
-            }
-        }
+        sfi_cell_scores(products, k, mask, q_conv, n_q, n_tokens, softcap, h, b, scores, norms ? kn : nullptr, kf);
 
         float * ev = evid + (b*n_head_kv + h)*n_kv;
         std::fill(ev, ev + n_kv, 0.0f);

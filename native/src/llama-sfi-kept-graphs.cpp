@@ -1,5 +1,5 @@
 // The FAST steps' own scheduler and graphs, swapped into the context for their decodes, and the graphs kept per mix of steps
-#include "llama-sfi-graphs.h"
+#include "llama-sfi-kept-graphs.h"
 
 #include "llama-context.h"
 #include "llama-sfi-context.h"

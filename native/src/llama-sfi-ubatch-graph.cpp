@@ -1,6 +1,6 @@
 // The SFI graph of a ubatch: its inputs, the FAST step's gather of a selection and writes of the tail, and the SLOW
 // step's gather of the device Selector's selection
-#include "llama-sfi-graph.h"
+#include "llama-sfi-ubatch-graph.h"
 
 #include "llama-sfi-view.h"
 
