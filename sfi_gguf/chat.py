@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
+from .sampling import SamplingParams
 from .sfi import format_sfi_stats
 
 HELP = "commands: /reset forgets the conversation, /quit (or end of input) leaves, /help shows this"
@@ -16,8 +17,9 @@ HELP = "commands: /reset forgets the conversation, /quit (or end of input) leave
 
 def chat_loop(llm, system: str | None = None, max_tokens: int = 512, stats: bool = False,
               stdin: TextIO = sys.stdin, stdout: TextIO = sys.stdout, stderr: TextIO = sys.stderr,
-              **sampling) -> int:
-    """Run the conversation until /quit or end of input; `sampling` goes to `SFILlama.generate`."""
+              sampling: SamplingParams | None = None) -> int:
+    """Run the conversation until /quit or end of input; `sampling` goes to `SFILlama.generate` (None: its
+    defaults)."""
     if llm.context.chat_template() is None:
         raise ValueError(f"{llm.model_path.name} has no chat template; use `sfi-gguf run` for plain text")
     interactive = stdin.isatty()
@@ -47,7 +49,7 @@ def chat_loop(llm, system: str | None = None, max_tokens: int = 512, stats: bool
         messages.append({"role": "user", "content": text})
         pieces = []
         try:
-            for piece in llm.generate(messages, max_tokens=max_tokens, stream=True, **sampling):
+            for piece in llm.generate(messages, max_tokens=max_tokens, stream=True, sampling=sampling):
                 stdout.write(piece)
                 stdout.flush()
                 pieces.append(piece)

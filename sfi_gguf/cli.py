@@ -142,6 +142,26 @@ def _sfi_from_args(args: argparse.Namespace):
     return sfi_config_from_args(args, warn=lambda text: print(f"sfi-gguf: warning: {text}", file=sys.stderr))
 
 
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    from .sampling import SamplingParams
+
+    d = SamplingParams()
+    g = p.add_argument_group("sampling", "the defaults are llama-cpp-python's and llama-server's")
+    g.add_argument("--temperature", type=float, default=d.temperature,
+                   help=f"0 = greedy, always the most likely token (default {d.temperature})")
+    g.add_argument("--top-p", type=float, default=d.top_p, help=f"(default {d.top_p})")
+    g.add_argument("--top-k", type=int, default=d.top_k, help=f"(default {d.top_k})")
+    g.add_argument("--min-p", type=float, default=d.min_p, help=f"(default {d.min_p})")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible answers (default: random)")
+
+
+def _sampling_from_args(args: argparse.Namespace):
+    """The command's SamplingParams, checked before the model loads."""
+    from .sampling import SamplingParams
+
+    return SamplingParams.of(vars(args))
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from .llama import SFILlama
     from .sfi import format_sfi_stats
@@ -152,13 +172,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not prompt:
         print("sfi-gguf run: give a prompt or --file", file=sys.stderr)
         return 2
+    sampling = _sampling_from_args(args)
     llm = SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                    flash_attn=_flash_attn(args), verbose=args.verbose, progress=True, sfi=_sfi_from_args(args),
                    kv_on_host=args.kv_on_host)
     chat = not args.raw and llm.context.chat_template() is not None
     request = [{"role": "user", "content": prompt}] if chat else prompt
-    for piece in llm.generate(request, max_tokens=args.max_tokens, temperature=args.temperature,
-                              top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop or None,
+    for piece in llm.generate(request, max_tokens=args.max_tokens, sampling=sampling, stop=args.stop or None,
                               stream=True):
         sys.stdout.write(piece)
         sys.stdout.flush()
@@ -198,9 +218,9 @@ def _llm_from_args(args: argparse.Namespace, progress: bool = False):
 def _cmd_chat(args: argparse.Namespace) -> int:
     from .chat import chat_loop
 
-    llm = _llm_from_args(args)
-    return chat_loop(llm, system=args.system, max_tokens=args.max_tokens, stats=args.stats,
-                     temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    sampling = _sampling_from_args(args)
+    return chat_loop(_llm_from_args(args), system=args.system, max_tokens=args.max_tokens, stats=args.stats,
+                     sampling=sampling)
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
@@ -240,10 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt", nargs="?", default="", help="the prompt (chat-formatted if the model has a template)")
     run.add_argument("-f", "--file", help="read (the start of) the prompt from a file, e.g. a long document")
     run.add_argument("-n", "--max-tokens", type=int, default=256, help="how many tokens to generate at most")
-    run.add_argument("--temperature", type=float, default=0.8, help="0 = greedy, always the most likely token")
-    run.add_argument("--top-p", type=float, default=0.95)
-    run.add_argument("--top-k", type=int, default=40)
-    run.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(run)
     run.add_argument("--stop", action="append", help="stop string (repeatable)")
     run.add_argument("--raw", action="store_true", help="do not apply the chat template")
     _add_model_args(run)
@@ -263,10 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
                "  printf 'Name a prime number.\\n/quit\\n' | sfi-gguf chat -n 32 --temperature 0")
     chat.add_argument("--system", default=None, help="a system message that starts the conversation")
     chat.add_argument("-n", "--max-tokens", type=int, default=512, help="longest answer, in tokens (default 512)")
-    chat.add_argument("--temperature", type=float, default=0.7, help="0 = greedy, always the most likely token")
-    chat.add_argument("--top-p", type=float, default=0.95)
-    chat.add_argument("--top-k", type=int, default=40)
-    chat.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible answers")
+    _add_sampling_args(chat)
     chat.add_argument("--stats", action="store_true",
                       help="after each answer, print speed, prompt tokens reused and the SFI statistics on stderr")
     _add_model_args(chat)

@@ -5,6 +5,7 @@ import functools
 import os
 import threading
 import warnings
+from dataclasses import replace
 from typing import Iterator, Sequence, Union
 
 from . import openai_api
@@ -16,7 +17,7 @@ from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_
                      check_split as _check_split, sfi_config as _sfi_config)
 from .generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
-from .sampling import Sampler, SamplingParams, is_int, logit_bias_items
+from .sampling import Sampler, SamplingParams, is_int
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
@@ -285,7 +286,8 @@ class SFILlama:
                  cancel: threading.Event | None = None, grammar=None, typical_p: float = 1.0,
                  mirostat_mode: int = 0, mirostat_tau: float = 5.0, mirostat_eta: float = 0.1,
                  logit_bias: dict | None = None, keep_special: Sequence[int] | None = None,
-                 logits_processor=None, stopping_criteria=None) -> Union[Completion, Iterator[str]]:
+                 logits_processor=None, stopping_criteria=None,
+                 sampling: SamplingParams | None = None) -> Union[Completion, Iterator[str]]:
         """Continue `prompt` (a string, chat messages to format with the model's template, or token ids).
 
         Returns a `Completion`; with stream=True, an iterator of text pieces (statistics in
@@ -302,7 +304,8 @@ class SFILlama:
         out, as llama.cpp detokenizes. `logits_processor` and `stopping_criteria` are llama-cpp-python's (callables
         of the tokens so far and the logits, or its `LogitsProcessorList` / `StoppingCriteriaList`): the first
         rewrites the logits before sampling, the second ends the generation (finish_reason "stop") before the
-        token sampled when it answers True.
+        token sampled when it answers True. `sampling`: a `SamplingParams` in place of the sampling keywords
+        (temperature ... logit_bias), which are then left at their defaults.
         """
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(stream=stream, ignore_eos=ignore_eos)
@@ -311,12 +314,7 @@ class SFILlama:
                                       "or ask for them without streaming")
         config = self.sfi_config if sfi is None else _sfi_config(sfi)
         stop_list = _stop_list(stop)
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
-                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-                                logit_bias=logit_bias_items(logit_bias))
-        params.validate()
+        params = SamplingParams.of(locals(), sampling)
         tokens = self.prompt_tokens(prompt)
         if not tokens:
             raise ValueError("the prompt is empty")
@@ -351,27 +349,25 @@ class SFILlama:
                        top_p: float = 0.95, top_k: int = 40, seed: int | None = None,
                        stop: str | Sequence[str] | None = None, min_p: float = 0.05, repeat_penalty: float = 1.0,
                        ignore_eos: bool = False, frequency_penalty: float = 0.0, presence_penalty: float = 0.0,
-                       sfi: SFIConfig | str | bool | None = None) -> list[Completion]:
+                       sfi: SFIConfig | str | bool | None = None,
+                       sampling: SamplingParams | None = None) -> list[Completion]:
         """Continue several prompts together: one `Completion` per prompt, in order.
 
         Up to `n_parallel` (see the constructor) sequences decode in the same llama_decode calls, each
         with its own SFI state (sampling seed: `seed + i` for prompt i when a seed is given); more
         prompts wait for a free sequence. A prompt reuses the longest prefix its sequence already holds, as
-        `generate` does (`reset()` before: every prompt prefilled from scratch).
+        `generate` does (`reset()` before: every prompt prefilled from scratch). `sampling`: as for `generate`.
         """
         if isinstance(prompts, str) or not len(prompts) or any(isinstance(p, (int, dict)) for p in prompts):
             raise ValueError("prompts must be a non-empty list of prompts (strings, lists of chat messages or "
                              "lists of token ids)")
-        if seed is not None:  # checked before seed + i makes an int of a bool
-            SamplingParams(seed=seed).validate()
+        params = SamplingParams.of(locals(), sampling)
         requests = []
         for i, prompt in enumerate(prompts):
             try:
                 requests.append(self.batch_request(
-                    prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                    seed=None if seed is None else seed + i, stop=stop, min_p=min_p, repeat_penalty=repeat_penalty,
-                    ignore_eos=ignore_eos, frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
-                    sfi=sfi))
+                    prompt, max_tokens=max_tokens, stop=stop, ignore_eos=ignore_eos, sfi=sfi,
+                    sampling=params if params.seed is None else replace(params, seed=params.seed + i)))
             except ValueError as exc:
                 raise ValueError(f"prompt {i}: {exc}") from None
         self._generation += 1  # the shared cache is rebuilt: an earlier stream must not decode any more
@@ -387,9 +383,10 @@ class SFILlama:
                       sfi: SFIConfig | str | bool | None = None, cancel: threading.Event | None = None,
                       grammar=None, typical_p: float = 1.0, mirostat_mode: int = 0, mirostat_tau: float = 5.0,
                       mirostat_eta: float = 0.1, logit_bias: dict | None = None,
-                      keep_special: Sequence[int] | None = None, logits_processor=None, stopping_criteria=None):
+                      keep_special: Sequence[int] | None = None, logits_processor=None, stopping_criteria=None,
+                      sampling: SamplingParams | None = None):
         """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`,
-        `keep_special`, `logits_processor`, `stopping_criteria`: as there)."""
+        `keep_special`, `logits_processor`, `stopping_criteria`, `sampling`: as there)."""
         from .batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
@@ -399,12 +396,7 @@ class SFILlama:
         tokens = self.prompt_tokens(prompt)
         if len(tokens) >= self.n_ctx:
             raise ValueError(f"the prompt has {len(tokens)} tokens, a sequence holds {self.n_ctx} (n_ctx)")
-        params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                                repeat_penalty=repeat_penalty, seed=seed, frequency_penalty=frequency_penalty,
-                                presence_penalty=presence_penalty, typical_p=typical_p, mirostat_mode=mirostat_mode,
-                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta,
-                                logit_bias=logit_bias_items(logit_bias))
-        params.validate()
+        params = SamplingParams.of(locals(), sampling)
         _check_callable("stopping_criteria", stopping_criteria)
         sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
                           vocab=self._ctx.vocab, logits_processor=logits_processor)

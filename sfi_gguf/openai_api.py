@@ -25,7 +25,7 @@ import uuid
 from typing import Any, Iterator
 
 from . import tool_calls
-from .sampling import is_int
+from .sampling import SamplingParams, is_int
 
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
 _NOT_USED = {"tfs_z": 1.0}
@@ -119,13 +119,13 @@ def check_n(n) -> None:
         raise ValueError(f"n (the number of choices) must be an integer >= 1, got {n!r}")
 
 
-def _choice_sampling(sampling: dict[str, Any], j: int) -> dict[str, Any]:
+def _choice_sampling(sampling: SamplingParams, j: int) -> SamplingParams:
     """Choice j's sampling: seed + j with a seed (choices differ; the same request repeats them), else its own random
     seed (each choice's sampler draws one)."""
-    seed = sampling.get("seed")
-    if j == 0 or not is_int(seed):  # (a bad seed is refused by the first choice as it is)
+    if j == 0 or sampling.seed is None:
         return sampling
-    return {**sampling, "seed": (seed + j) % 0xFFFFFFFF}  # (0xFFFFFFFF is llama.cpp's "draw a random seed")
+    # (0xFFFFFFFF is llama.cpp's "draw a random seed")
+    return dataclasses.replace(sampling, seed=(sampling.seed + j) % 0xFFFFFFFF)
 
 
 def _choice_runs(make, n_prompts: int, n: int) -> Iterator:
@@ -162,23 +162,6 @@ def _json_safe(x):
     return x
 
 
-def _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-              presence_penalty, sfi, grammar=None, typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0,
-              mirostat_eta=0.1, logit_bias=None, logits_processor=None, stopping_criteria=None) -> dict[str, Any]:
-    out = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, stop=stop, seed=seed,
-               repeat_penalty=repeat_penalty, frequency_penalty=frequency_penalty,
-               presence_penalty=presence_penalty, sfi=sfi)
-    extra = dict(typical_p=typical_p, mirostat_mode=mirostat_mode, mirostat_tau=mirostat_tau,
-                 mirostat_eta=mirostat_eta, logit_bias=logit_bias)
-    neutral = dict(typical_p=1.0, mirostat_mode=0, mirostat_tau=5.0, mirostat_eta=0.1, logit_bias=None)
-    out.update({k: v for k, v in extra.items() if v != neutral[k]})  # (a slot client passes what it is given)
-    if grammar is not None:
-        out["grammar"] = grammar
-    out.update({k: v for k, v in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria))
-                if v is not None})
-    return out
-
-
 # -- completions ----------------------------------------------------------------------------------
 def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, top_p=0.95, min_p=0.05,
                       typical_p=1.0, logprobs=None, echo=False, stop=None, frequency_penalty=0.0,
@@ -197,9 +180,9 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
         raise ValueError(f"echo must be true or false, got {echo!r}")
     if echo and logprobs is not None:
         raise NotImplementedError("echo with logprobs (the log-probabilities of the prompt's tokens) is not supported")
-    sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi, grammar_text(grammar), typical_p, mirostat_mode, mirostat_tau,
-                         mirostat_eta, logit_bias, logits_processor, stopping_criteria)
+    sampling = SamplingParams.of(locals())
+    options = dict(stop=stop, sfi=sfi, grammar=grammar_text(grammar), logits_processor=logits_processor,
+                   stopping_criteria=stopping_criteria)
     head = _head("cmpl", model, llm)
     if suffix is not None:
         if len(prompts) != 1 or not isinstance(prompts[0], str) or not isinstance(suffix, str):
@@ -214,7 +197,7 @@ def create_completion(llm, prompt, suffix=None, max_tokens=16, temperature=0.8, 
             if len(tokens) >= llm.n_ctx:
                 raise ValueError(f"prompt {i} has {len(tokens)} tokens, the context holds {llm.n_ctx} (n_ctx)")
     run = lambda i, j: _completion(llm, prompts[i], all_tokens[i], max_tokens, stream, logprobs,  # noqa: E731
-                                   _choice_sampling(sampling, j), head, index=i * n + j, echo=echo)
+                                   _choice_sampling(sampling, j), options, head, index=i * n + j, echo=echo)
     if len(prompts) == 1 and n == 1:
         return run(0, 0)
     runs = _choice_runs(run, len(prompts), n)
@@ -260,9 +243,9 @@ def _infill_tokens(llm, prefix: str, suffix: str) -> list[int]:
     return tokens
 
 
-def _completion(llm, prompt, tokens, max_tokens, stream, logprobs, sampling, head, index=0, echo=False):
+def _completion(llm, prompt, tokens, max_tokens, stream, logprobs, sampling, options, head, index=0, echo=False):
     prompt_text = prompt if isinstance(prompt, str) else llm.detokenize(tokens)
-    return _complete(llm, tokens, max_tokens, stream, logprobs, sampling,
+    return _complete(llm, tokens, max_tokens, stream, logprobs, sampling, options,
                      lambda records: _completion_logprobs(llm, records, len(prompt_text)), head, index,
                      echo_text=prompt_text if echo else "")
 
@@ -276,14 +259,16 @@ def _chained(streams) -> Iterator[dict]:
             chunks.close()
 
 
-def _complete(llm, tokens, max_tokens, stream, logprobs, sampling, shape_logprobs, head, index=0, echo_text=""):
-    """Generate and shape a text_completion (or its chunks); the chat API converts the result. `echo_text` goes
-    before the generated text (the first chunk when streaming)."""
+def _complete(llm, tokens, max_tokens, stream, logprobs, sampling, options, shape_logprobs, head, index=0,
+              echo_text=""):
+    """Generate and shape a text_completion (or its chunks); the chat API converts the result. `sampling`: the
+    SamplingParams, `options`: generate's other keywords (stop, sfi, grammar ...). `echo_text` goes before the
+    generated text (the first chunk when streaming)."""
     if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)):
         raise ValueError(f"max_tokens must be None or an integer, got {max_tokens!r}")
     if max_tokens is None or max_tokens <= 0:  # llama-cpp-python: as many as the context holds
         max_tokens = max(llm.n_ctx - len(tokens), 1)
-    out = llm.generate(tokens, max_tokens=max_tokens, stream=stream, logprobs=logprobs, **sampling)
+    out = llm.generate(tokens, max_tokens=max_tokens, stream=stream, logprobs=logprobs, sampling=sampling, **options)
     if stream:
         return _completion_chunks(head, out, llm.last_stats, index, echo_text)
     choice = {"text": echo_text + out.text, "index": index,
@@ -363,15 +348,15 @@ def create_chat_completion(llm, messages, functions=None, function_call=None, to
     tokens = llm.prompt_tokens(tool_calls.template_messages(list(messages)),
                                tools=request.tools)  # tool_choice "none": shown, not called (the prefix stays)
     n_top = (top_logprobs or 0) if logprobs else None
-    sampling = _sampling(temperature, top_p, top_k, min_p, stop, seed, repeat_penalty, frequency_penalty,
-                         presence_penalty, sfi, constraint[0][1] if constraint else None, typical_p, mirostat_mode,
-                         mirostat_tau, mirostat_eta, logit_bias, logits_processor)
+    sampling = SamplingParams.of(locals())
+    options = dict(stop=stop, sfi=sfi, grammar=constraint[0][1] if constraint else None,
+                   logits_processor=logits_processor)
     if request.active:  # the format's markers stay in the text the calls are read from
-        sampling["keep_special"] = _marker_tokens(llm, request.format.markers)
+        options["keep_special"] = _marker_tokens(llm, request.format.markers)
     head = _head("cmpl", model, llm)
     shape_logprobs = lambda records: _chat_logprobs(llm, records)  # noqa: E731
     run = lambda _, j: _complete(llm, tokens, max_tokens, stream, n_top, _choice_sampling(sampling, j),  # noqa: E731
-                                 shape_logprobs, head, index=j)
+                                 options, shape_logprobs, head, index=j)
     runs = _choice_runs(run, 1, n)
     if stream:
         return _chained(_chat_chunks(chunks, request) for chunks in runs)

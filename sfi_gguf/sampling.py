@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -37,6 +37,24 @@ class SamplingParams:
     mirostat_tau: float = 5.0
     mirostat_eta: float = 0.1
     logit_bias: tuple = ()        # ((token, bias), ...): added to the logits before everything else
+
+    @classmethod
+    def of(cls, arguments: dict, sampling: SamplingParams | None = None) -> SamplingParams:
+        """The sampling of a call that takes llama-cpp-python's sampling keywords: those of its `arguments` (its
+        locals()) that name a field (logit_bias as {token id: bias}), or `sampling`, one SamplingParams given in their
+        place (the keywords left at their defaults). Validated: ValueError names the first bad parameter."""
+        keywords = {f.name: arguments[f.name] for f in fields(cls) if f.name in arguments}
+        keywords["logit_bias"] = logit_bias_items(keywords.get("logit_bias"))
+        params = cls(**keywords)
+        if sampling is not None:
+            if not isinstance(sampling, SamplingParams):
+                raise ValueError(f"sampling must be a SamplingParams, got {sampling!r}")
+            if params != cls():
+                changed = [f.name for f in fields(cls) if getattr(params, f.name) != getattr(cls(), f.name)]
+                raise ValueError(f"give sampling or the sampling keywords, not both (got sampling and {changed})")
+            params = sampling
+        params.validate()
+        return params
 
     @property
     def has_penalties(self) -> bool:

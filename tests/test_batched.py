@@ -10,6 +10,7 @@ import pytest
 
 from sfi_gguf import SFILlama
 from sfi_gguf.config import SFIConfig
+from sfi_gguf.sampling import SamplingParams
 from sfi_gguf.tools.random_model import random_model
 
 LENGTHS = (300, 420, 250, 380)  # 4 prompts, 3 slots: the last waits for a free one
@@ -75,6 +76,31 @@ def test_stop_strings_lengths_and_seeds(llm, prompts):
     a = llm.generate_batch(prompts[:2], max_tokens=8, temperature=1.0, seed=7, sfi=SMALL, ignore_eos=True)
     b = llm.generate_batch(prompts[:2], max_tokens=8, temperature=1.0, seed=7, sfi=SMALL, ignore_eos=True)
     assert [x.tokens for x in a] == [x.tokens for x in b]
+
+
+def test_one_sampling_object_samples_as_its_keywords(llm, prompts):
+    """`sampling=SamplingParams(...)` in place of the sampling keywords: the same tokens from generate,
+    generate_batch (seed + i for prompt i) and batch_request; keywords and an object together are refused."""
+    keywords = dict(temperature=1.0, top_k=20, min_p=0.0, repeat_penalty=1.1, logit_bias={5: -2.0}, seed=11)
+    sampling = SamplingParams.of(keywords)
+    assert sampling == SamplingParams(temperature=1.0, top_k=20, min_p=0.0, repeat_penalty=1.1,
+                                      logit_bias=((5, -2.0),), seed=11)
+    common = dict(max_tokens=12, sfi=SMALL, ignore_eos=True)
+    assert (llm.generate(prompts[0], sampling=sampling, **common).tokens
+            == llm.generate(prompts[0], **keywords, **common).tokens)
+    batch = dict(temperature=1.0, top_k=20, min_p=0.0, repeat_penalty=1.1, seed=11)
+    by_object = llm.generate_batch(prompts[:2], sampling=SamplingParams(**batch), **common)
+    assert [c.tokens for c in by_object] == [c.tokens for c in llm.generate_batch(prompts[:2], **batch, **common)]
+    decoder = llm.batched_decoder()
+    request = llm.batch_request(prompts[1], sampling=SamplingParams(**{**batch, "seed": 12}), **common)
+    decoder.run([request])
+    assert request.completion().tokens == by_object[1].tokens
+    with pytest.raises(ValueError, match=r"not both .*'temperature'"):
+        llm.generate(prompts[0], temperature=0.5, sampling=sampling)
+    with pytest.raises(ValueError, match="sampling must be a SamplingParams"):
+        llm.generate(prompts[0], sampling={"temperature": 0.5})
+    with pytest.raises(ValueError, match="top_p must be"):
+        llm.generate_batch(prompts[:1], sampling=SamplingParams(top_p=2.0))
 
 
 def test_bad_input(llm, prompts):

@@ -53,6 +53,24 @@ def test_bad_arguments_show_the_commands_usage(args, message):
     assert result.stderr.startswith(f"usage: sfi-gguf {args[0]} ") and "Traceback" not in result.stderr
 
 
+def test_run_and_chat_share_one_set_of_sampling_flags():
+    """One set of sampling flags, llama-cpp-python's defaults for both commands (said in --help); a bad value is
+    refused before any model is loaded."""
+    from sfi_gguf.cli import _sampling_from_args, build_parser
+    from sfi_gguf.sampling import SamplingParams
+
+    parser = build_parser()
+    for argv in (["run", "hi"], ["chat"]):
+        assert _sampling_from_args(parser.parse_args(argv)) == SamplingParams()
+    args = parser.parse_args(["chat", "--temperature", "0", "--top-p", "0.5", "--top-k", "3", "--min-p", "0.1",
+                              "--seed", "4"])
+    assert _sampling_from_args(args) == SamplingParams(temperature=0.0, top_p=0.5, top_k=3, min_p=0.1, seed=4)
+    result = _cli("chat", "--help", timeout=120)
+    assert "llama-cpp-python's and llama-server's" in result.stdout and "(default 0.8)" in result.stdout
+    result = _cli("run", "hi", "--top-p", "2", "-m", "/nonexistent.gguf", timeout=120)
+    assert result.returncode == 2 and "top_p must be a number in (0, 1]" in result.stderr, result.stderr
+
+
 def test_an_example_parses_its_arguments_before_importing_matplotlib():
     """`--help` of the plotting example works without matplotlib (it is imported only to plot)."""
     code = ("import runpy, sys\n"
