@@ -155,6 +155,7 @@ class LlamaContext:
         self.n_ctx = min(n_ctx, llama_cpp.llama_n_ctx(ctx) // n_seq_max)
         self.n_batch = min(cparams.n_batch, n_ctx)
         self.flash_attn = flash_attn
+        self.type_kv = type_kv
         self.memory = llama_cpp.llama_get_memory(ctx)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, 1)
         self.tokens: list[int] = []

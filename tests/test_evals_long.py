@@ -5,9 +5,12 @@ import re
 import numpy as np
 import pytest
 
+from sfi_gguf.config import SFIConfig
+from sfi_gguf.context import LlamaContext
 from sfi_gguf.tools.evals import answer_agreement, chain, long_tasks, longdoc, multifact, reasoning
 from sfi_gguf.tools.evals.report import cadence_table, markdown_table
-from sfi_gguf.tools.evals.runner import LONG_TASKS, SUITES, Suite, TaskPlan, aggregate, context_size, policy_config
+from sfi_gguf.tools.evals.runner import (LONG_TASKS, SUITES, Suite, TaskPlan, aggregate, context_size, policy_config,
+                                         run_suite)
 
 
 class WordTokenizer:
@@ -119,6 +122,13 @@ def test_budgets_variants_and_table():
     assert paper.policy == "punctuation" and paper.policy_params.confidence_floor == 0
     assert paper.policy_params.warmup_refresh == policy_config("punctuation", 512, 256).policy_params.warmup_refresh
     assert policy_config("fixed16", 512, 256).policy_params.fixed_period == 16
+    recent = policy_config("recent512", 2048, 256)  # the same budget, 256 cells moved from k_head to the window
+    assert (recent.n_recent, recent.k_head, recent.policy) == (512, 1792, "punctuation")
+    assert policy_config("interval32", 2048, 256).policy_params.refresh_interval == 32
+    both = policy_config("redecode_interval32", 2048, 256)
+    assert both.redecode_tail and both.policy_params.refresh_interval == 32 and both.k_head == 2048
+    with pytest.raises(ValueError, match="recent512"):
+        policy_config("recent512", 128, 64)
     records = [{"model": "m.gguf", "task": "agreement", "context": 8192, "case_id": "0", "policy": p,
                 "prompt_tokens": 7700, "k_head": k, "n_sink": 4, "n_recent": 256, "budget_share": 0.3,
                 "score": 1.0 if p == "dense" else k / 4096, "mean_kl": 0.1, "first_divergence": 9,
@@ -152,13 +162,11 @@ def test_the_long_suite_fits_the_default_models_training_context():
 
 @pytest.mark.real_model
 def test_tiny_long_suite_runs_every_task_with_one_prefill_per_document(tmp_path):
-    from sfi_gguf.tools.evals import run_suite
-
     suite = Suite(models={"qwen2.5-coder-0.5b-instruct": {
         m.TASK: TaskPlan(contexts=(1024,), n_cases=1, n_recent=64, budgets=(128, 64), options={"max_tokens": 12})
         for m in LONG_TASKS}}, policies=("dense", "punctuation", "paper"))
     out = tmp_path / "long.json"
-    data = run_suite(suite, out, n_threads=2)
+    data = run_suite(suite, out, n_threads=2, case_cache=tmp_path / "cases")
     records = data["records"]
     assert {r["task"] for r in records} == {m.TASK for m in LONG_TASKS}
     for task in (m.TASK for m in LONG_TASKS):
@@ -172,9 +180,43 @@ def test_tiny_long_suite_runs_every_task_with_one_prefill_per_document(tmp_path)
     assert len(dense) == 2 and dense[0]["text"] == dense[1]["text"]  # one dense answer, recorded at each budget
     forced = [r for r in records if r["task"] == "agreement" and r["policy"] != "dense"]
     assert all(len(r["top1_bits"]) == r["n_generated"] <= 12 and 0 <= r["first_divergence"] <= 12 for r in forced)
-    again = run_suite(suite, out, n_threads=2)  # resume: nothing left to run
+    again = run_suite(suite, out, n_threads=2, case_cache=False)  # resume: nothing left to run
     assert len(again["records"]) == len(records)
     # one of the budgets only (`sfi-gguf eval --k-head`)
     one = run_suite(suite, tmp_path / "one-budget.json", tasks=["agreement"], policies=["dense", "punctuation"],
-                    k_heads=[64], n_threads=2)
+                    k_heads=[64], n_threads=2, case_cache=False)
     assert {(r["policy"], r["k_head"]) for r in one["records"]} == {("dense", 64), ("punctuation", 64)}
+
+
+# -- the case cache, on a random-weight model ----------------------------------------------------------
+def test_a_later_run_loads_each_cases_prompt_and_dense_answer_and_gives_the_records_of_a_run_without(
+        tmp_path, tiny_path, monkeypatch):
+    """The first run keeps each long case's prefilled prompt (llama.cpp's sequence state) and dense's answer; a
+    later run adding policies loads both, decodes only the prompt's last rows (the bootstrap's), and its records are
+    those of a run without the cache: a loaded state serves SFI as a fresh prefill does."""
+    suite = Suite(models={str(tiny_path): {
+        m.TASK: TaskPlan(contexts=(1536,), n_cases=2, n_recent=32, budgets=(64,), options={"max_tokens": 48})
+        for m in (multifact, answer_agreement)}})
+    cache, out = tmp_path / "cases", tmp_path / "cached.json"
+    run_suite(suite, out, policies=["dense", "punctuation"], n_threads=1, case_cache=cache, log=None)
+    assert len(list(cache.glob("*.state"))) == 4 and len(list(cache.glob("*.npz"))) == 2  # agreement's answers
+
+    decoded = []
+    prefill = LlamaContext.prefill
+    monkeypatch.setattr(LlamaContext, "prefill", lambda self, *a, **kw: decoded.append(prefill(self, *a, **kw)) or
+                        decoded[-1])
+    monkeypatch.setattr(answer_agreement, "dense_answer", lambda *a: pytest.fail("dense's answer decoded again"))
+    policies = ["dense", "punctuation", "redecode", "fixed16"]
+    cached = run_suite(suite, out, policies=policies, n_threads=1, case_cache=cache, log=None)["records"]
+    assert decoded and max(decoded) == SFIConfig().n_prefill_queries  # no prompt (> 1000 tokens) decoded again
+    monkeypatch.undo()
+
+    fresh = run_suite(suite, None, policies=policies, n_threads=1, case_cache=False, log=None)["records"]
+    assert len(fresh) == len(cached) == 16
+
+    def comparable(records):
+        return sorted(({k: v for k, v in r.items() if k != "seconds"} for r in records),
+                      key=lambda r: (r["task"], r["case_id"], r["policy"]))
+
+    assert comparable(cached) == comparable(fresh)
+    assert any(r["score"] < 1 for r in fresh if r["task"] == "agreement")  # SFI differs from dense here

@@ -49,10 +49,16 @@ def dense_answer(llm, tokens: list[int], max_tokens: int) -> DenseReference:
     return DenseReference(tokens=ref.tokens[:n], top=ref.top[:n], logp=ref.logp[:n], argmax=ref.argmax[:n])
 
 
-def run_case(llm, case: Case, tokens: list[int], configs: dict) -> dict[str, dict]:
-    """One record per policy; dense's greedy answer is decoded once and shared by all of them."""
+def run_case(llm, case: Case, tokens: list[int], configs: dict, cache=None) -> dict[str, dict]:
+    """One record per policy; dense's greedy answer is decoded once and shared by all of them. `cache`
+    (a `case_cache.CaseCache`): dense's answer and the prompt's state are read from it, or kept in it once decoded."""
     t0 = time.perf_counter()
-    ref = dense_answer(llm, tokens, case.max_tokens)
+    ref = cache.reference(tokens, case.max_tokens) if cache else None
+    if ref is None:
+        ref = dense_answer(llm, tokens, case.max_tokens)
+        if cache:
+            cache.store_prompt(llm, tokens)
+            cache.store_reference(tokens, case.max_tokens, ref)
     n = ref.n_steps
     out = {}
     for label, config in configs.items():

@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policies to run (default: the suite's); paper: the punctuation trigger without its "
                         "confidence rule; fixed16: a slow step every 16; redecode: the default trigger with "
                         "SFIConfig.redecode_tail; delay4, delay16: the default trigger, each selection used 4 or "
-                        "16 steps after its slow step (SFIConfig.selection_delay)")
+                        "16 steps after its slow step (SFIConfig.selection_delay); recent512: a recent window of "
+                        "512 at the same budget (k_head 256 lower); interval32: a refresh at the latest every 32 "
+                        "steps (refresh_interval); redecode_interval32: both redecode and interval32")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")
@@ -35,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--out", default=None, help="results JSON (default: benchmarks/results/eval-SUITE.json)")
     p.add_argument("--fresh", action="store_true", help="ignore records already in --out instead of resuming")
+    p.add_argument("--no-case-cache", dest="case_cache", action="store_false",
+                   help="do not keep the long tasks' cases: by default each case's prefilled prompt (llama.cpp's "
+                        "sequence state, ~12 KB per token for the default 0.5B model: ~200 MB a 16K case) and dense's "
+                        "reference answer are kept under ~/.cache/sfi-gguf/eval-cases (SFI_GGUF_CACHE moves it), so a "
+                        "later run that adds policies to cases already done costs only the new policies' decodes; "
+                        "delete the folder to free the space")
     p.add_argument("--report", default=None,
                    help="also write STEM.md (table), STEM-accuracy.png and STEM-timeline.png")
     return p
@@ -50,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     data = run_suite(args.suite, out, models=args.model, tasks=args.task, policies=args.policy,
                      contexts=args.context, max_cases=args.cases, k_heads=args.k_head, n_threads=args.threads,
-                     resume=not args.fresh)
+                     resume=not args.fresh, case_cache=args.case_cache)
     print(markdown_table(data["rows"]))
     print(f"results: {out}", file=sys.stderr)
     if args.report:

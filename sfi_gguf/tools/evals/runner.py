@@ -28,6 +28,7 @@ from ..._progress import Progress
 from ...config import K_HEAD_GRANULE, SFIConfig
 from ..provenance import git_commit
 from . import answer_agreement, common, cot, long_tasks, longgen, needle, variables
+from .case_cache import CaseCache
 
 POLICIES = ("dense", "punctuation", "fixed", "static", "sink_recent")
 #: trigger variants compared with the default one: eval name -> (policy, its parameters)
@@ -38,10 +39,15 @@ VARIANTS = {
     # the default trigger, each selection committed d steps after its slow step (what an asynchronous refresh costs)
     "delay4": ("punctuation", {"selection_delay": 4}),
     "delay16": ("punctuation", {"selection_delay": 16}),
+    # the rest of the gap to dense, one change at a time: a recent window of 512 at the same budget (k_head gives
+    # up the 256 cells the window gains), a refresh at the latest every 32 steps, and that with redecode
+    "recent512": ("punctuation", {"n_recent": 512}),
+    "interval32": ("punctuation", {"refresh_interval": 32}),
+    "redecode_interval32": ("punctuation", {"redecode_tail": True, "refresh_interval": 32}),
 }
 #: every name a run may ask for, in table order
-ALL_POLICIES = ("dense", "punctuation", "redecode", "delay4", "delay16", "paper", "fixed", "fixed16", "static",
-                "sink_recent")
+ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "delay4",
+                "delay16", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
@@ -154,9 +160,14 @@ def _qa_case(llm, module, case: common.Case, tokens: list[int], configs: dict) -
 
 
 def policy_config(name: str, k_head: int, n_recent: int) -> SFIConfig:
-    """The config of a policy or trigger variant (`VARIANTS`) at one budget."""
+    """The config of a policy or variant (`VARIANTS`) at one budget (n_sink + k_head + n_recent): a variant with
+    its own n_recent takes the difference from k_head."""
     policy, params = VARIANTS.get(name, (name, {}))
-    return SFIConfig(policy=policy, k_head=k_head, n_recent=n_recent, **params)
+    params = {"n_recent": n_recent, **params}
+    k_head -= params["n_recent"] - n_recent
+    if k_head < 1:
+        raise ValueError(f"{name}: its recent window of {params['n_recent']} leaves no k_head in this budget")
+    return SFIConfig(policy=policy, k_head=k_head, **params)
 
 
 def _key(r: dict) -> tuple:
@@ -209,7 +220,7 @@ def save(path: Path, data: dict) -> None:
 
 def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None, *, models=None, tasks=None,
               policies=None, contexts=None, max_cases: int | None = None, k_heads=None, n_threads: int | None = None,
-              resume: bool = True, log=sys.stderr) -> dict:
+              resume: bool = True, case_cache: bool | str | os.PathLike = True, log=sys.stderr) -> dict:
     """Run `suite` (a name in SUITES or a Suite) and return {"records": [...], "rows": [...]}.
 
     `out`: the JSON file (written after every case; None: not written). With `resume`, records
@@ -217,7 +228,8 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
     `models`, `tasks`, `contexts`: run only these of the suite; `policies`: these names of
     ALL_POLICIES (default: the suite's); `max_cases`: at most this many cases per task and context
     (the first ones, so a later run with more cases adds to them); `k_heads`: only the budgets of the suite with these
-    k_head values.
+    k_head values. `case_cache`: the long tasks' cases keep their prompt state and dense's answer
+    (`sfi_gguf.tools.evals.case_cache`) in its default folder (True), in this folder (a path), or nowhere (False).
     """
     from ...llama import SFILlama
 
@@ -263,6 +275,9 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
         # short contexts first (early results, cheap resumes); the tasks sharing a document one after
         # another, so its prefill serves all of them
         work.sort(key=lambda item: (item[2].context, item[2].meta.get("document", "")))
+        cache = None  # the long tasks' cases (the short tasks' prefills are cheap)
+        if case_cache is not False and any(module in LONG_TASKS for module, _, _ in work):
+            cache = CaseCache(llm, None if case_cache is True else case_cache)
         bar = Progress(len(work), f"eval {model_name}", unit="case", enabled=log is sys.stderr)
         for module, plan, case in work:
             tokens = (module.prompt_tokens if hasattr(module, "prompt_tokens") else common.prompt_tokens)(llm, case)
@@ -280,9 +295,17 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
             if todo:
                 configs = {label: policy_config(p, ks[0], plan.n_recent) for label, (p, ks) in todo.items()}
                 t0 = time.perf_counter()
-                run = module.run_case if hasattr(module, "run_case") else (
-                    lambda llm_, case_, tokens_, configs_: _qa_case(llm_, module, case_, tokens_, configs_))
-                results = run(llm, case, tokens, configs)
+                cached = cache if module in LONG_TASKS else None
+                if cached:
+                    cached.restore_prompt(llm, tokens)
+                if module is answer_agreement:
+                    results = module.run_case(llm, case, tokens, configs, cache=cached)
+                elif hasattr(module, "run_case"):
+                    results = module.run_case(llm, case, tokens, configs)
+                else:
+                    results = _qa_case(llm, module, case, tokens, configs)
+                if cached:
+                    cached.store_prompt(llm, tokens)
                 for label, res in results.items():
                     res["sfi"] = _sfi_summary(res.get("sfi"))
                     policy, recorded_at = todo[label]
@@ -290,7 +313,7 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
                         data["records"].append({
                             "model": llm.model_path.name, "task": case.task, "context": case.context,
                             "case_id": case.case_id, "policy": policy, "prompt_tokens": len(tokens), "k_head": k_head,
-                            "n_sink": 4, "n_recent": plan.n_recent,
+                            "n_sink": 4, "n_recent": configs[label].n_recent,
                             "budget_share": round((4 + k_head + plan.n_recent) / len(tokens), 4),
                             "expected": list(case.expected), "meta": case.meta, "commit": commit, **copy.deepcopy(res)})
                         done.add(_key(data["records"][-1]))
