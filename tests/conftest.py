@@ -9,24 +9,34 @@ from __future__ import annotations
 
 import pytest
 
+import sfi_gguf
 from sfi_gguf import models
 from sfi_gguf.tools.random_model import random_model
 from native_harness import Model
 from serving import running_server
 
+_ensure_model = models.ensure_model
+
 
 def _no_download(name: str = models.DEFAULT_MODEL, progress: bool = True):
+    if name not in models.KNOWN_MODELS:
+        return _ensure_model(name, progress)  # (its error for an unknown name)
     raise AssertionError(f"this test uses the downloaded model {name!r}: mark it real_model")
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """Outside the real_model tier, ensure_model fails (in the test's setup, call and teardown)."""
+    """Outside the real_model tier, ensure_model fails (in the test's setup, call and teardown), wherever it was
+    imported from."""
     if item.get_closest_marker("real_model") is not None:
         yield
         return
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(models, "ensure_model", _no_download)
+        module = getattr(item, "module", None)
+        for owner in (models, sfi_gguf) + ((module,) if module is not None else ()):
+            for name, value in list(vars(owner).items()):
+                if value is _ensure_model:
+                    mp.setattr(owner, name, _no_download)
         yield
 
 

@@ -168,3 +168,12 @@ def test_resolve_model_path_errors(tmp_path):
         resolve_model_path(tmp_path)
     with pytest.raises(ValueError, match="unknown model"):
         ensure_model("no-such-model")
+
+
+def test_a_test_outside_the_real_model_tier_cannot_fetch_a_model():
+    """conftest.py's guard of the fast tier (`pytest -m "not real_model"`): loading the default model from a test
+    without the mark fails and says which mark is missing."""
+    from sfi_gguf import SFILlama
+
+    with pytest.raises(AssertionError, match="mark it real_model"):
+        SFILlama(None)
