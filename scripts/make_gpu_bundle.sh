@@ -16,7 +16,7 @@ tmp=$(mktemp -d)
 tar xzf "$SDIST" -C "$tmp" llama_cpp_python-0.3.36/vendor/llama.cpp
 src="$tmp/llama_cpp_python-0.3.36/vendor/llama.cpp"
 rm -rf "$src"/{models,docs,media,benches,tests,tools,examples,pocs,app,gguf-py,scripts,.github,skills,conversion,common,grammars,ci}
-for b in cann openvino webgpu et hexagon sycl vulkan opencl metal virtgpu musa hip zdnn kompute zendnn blas; do
+for b in cann openvino webgpu et hexagon sycl opencl metal virtgpu musa hip zdnn kompute zendnn blas; do
     rm -rf "$src/ggml/src/ggml-$b"
 done
 mv "$src" .gpu/llama.cpp
