@@ -20,7 +20,7 @@ sys.path.insert(0, str(REPO))
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.tools.agreement import compare_with_dense  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
 from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 

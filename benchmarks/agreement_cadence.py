@@ -25,8 +25,8 @@ sys.path.insert(0, str(REPO))
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.tools.agreement import agreement_with, dense_reference  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.policy import PunctuationParams  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
+from sfi_gguf.core.policy import PunctuationParams  # noqa: E402
 from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 # named Selector settings (SFIConfig fields)

@@ -31,9 +31,9 @@ sys.path.insert(0, str(REPO))
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.tools.agreement import kl_top_n, log_softmax  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.native import SFINative  # noqa: E402
-from sfi_gguf.selector import AttentionExport, CandidateRange, assemble_memory, make_selector  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
+from sfi_gguf.core.bindings import SFINative  # noqa: E402
+from sfi_gguf.core.selector import AttentionExport, CandidateRange, assemble_memory, make_selector  # noqa: E402
 from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 # name -> (selector, k_head, lag in steps, extra selector options)

@@ -19,7 +19,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
 from sfi_gguf.tools.agreement import agreement_with  # noqa: E402
 from sfi_gguf.tools.evals import answer_agreement, long_tasks  # noqa: E402
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402

@@ -27,9 +27,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sfi_gguf.tools.bench import DEFAULT_DEPTHS, forced_tokens_digest, text_tokens  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
-from sfi_gguf.llama import SFILlama  # noqa: E402
-from sfi_gguf.policy import PunctuationParams, top1_probability  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
+from sfi_gguf.sfi_llama import SFILlama  # noqa: E402
+from sfi_gguf.core.policy import PunctuationParams, top1_probability  # noqa: E402
 from sfi_gguf.tools.texts import text_source  # noqa: E402
 
 

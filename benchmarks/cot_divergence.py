@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from sfi_gguf import SFILlama  # noqa: E402
 from sfi_gguf.tools.agreement import agreement_with, dense_reference  # noqa: E402
-from sfi_gguf.config import SFIConfig  # noqa: E402
+from sfi_gguf.core.config import SFIConfig  # noqa: E402
 from sfi_gguf.tools.evals import cot  # noqa: E402
 from sfi_gguf.tools.evals.runner import k_head_for  # noqa: E402
 

@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 
 from sfi_gguf.tools.provenance import git_commit  # noqa: E402
 from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf._native import find_lib_dir  # noqa: E402
+from sfi_gguf.core.library import find_lib_dir  # noqa: E402
 from sfi_gguf.models import resolve_model_path  # noqa: E402
 
 

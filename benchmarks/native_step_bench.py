@@ -33,11 +33,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sfi_gguf._native import llama_cpp  # noqa: E402  (loads the patched library)
-from sfi_gguf.context import LlamaContext  # noqa: E402
-from sfi_gguf.native import SFINative, STATUS_LAST_FAST  # noqa: E402
+from sfi_gguf.core.library import llama_cpp  # noqa: E402  (loads the patched library)
+from sfi_gguf.core.context import LlamaContext  # noqa: E402
+from sfi_gguf.core.bindings import SFINative, STATUS_LAST_FAST  # noqa: E402
 from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
-from sfi_gguf.selector import CandidateRange, SFISelector  # noqa: E402
+from sfi_gguf.core.selector import CandidateRange, SFISelector  # noqa: E402
 
 
 def summarize(times: list[float]) -> dict:

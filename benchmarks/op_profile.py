@@ -29,11 +29,11 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sfi_gguf._native import LIB_PATH, llama_cpp  # noqa: E402  (loads the patched library)
-from sfi_gguf.context import LlamaContext, decode_one_per_sequence  # noqa: E402
-from sfi_gguf.native import SFINative  # noqa: E402
+from sfi_gguf.core.library import LIB_PATH, llama_cpp  # noqa: E402  (loads the patched library)
+from sfi_gguf.core.context import LlamaContext, decode_one_per_sequence  # noqa: E402
+from sfi_gguf.core.bindings import SFINative  # noqa: E402
 from sfi_gguf.tools.random_model import SHAPES, random_model  # noqa: E402
-from sfi_gguf.selector import SFISelector  # noqa: E402
+from sfi_gguf.core.selector import SFISelector  # noqa: E402
 
 
 class ggml_tensor(ctypes.Structure):

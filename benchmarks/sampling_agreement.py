@@ -1,6 +1,6 @@
 """Sampling in the decode's graph against the host chain: the same seeds, the same tokens?
 
-For each seed, one generation samples in the graph (`sfi_gguf.device_picks`: llama.cpp's backend top-k, top-p,
+For each seed, one generation samples in the graph (`sfi_gguf.core.device_picks`: llama.cpp's backend top-k, top-p,
 min-p, temperature and dist samplers) and one on the host (logprobs make the host chain pick, over the copied
 logits), from the same prompt and an empty cache, decoding densely (the picks are the question here); a third, in the graph again, checks that a seed repeats. Prints
 and writes (JSON) how many generations are identical and where the others first differ.
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from sfi_gguf import SFILlama
-    from sfi_gguf.device_picks import DevicePicks
+    from sfi_gguf.core.device_picks import DevicePicks
     from sfi_gguf.tools.provenance import git_commit
 
     picked = []

@@ -105,7 +105,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def documents(model_path: str, n: int, n_tokens: int, seed: int) -> list[str]:
     """n documents of exactly n_tokens tokens of the model's tokenizer (its vocabulary alone is loaded)."""
-    from sfi_gguf._native import llama_cpp
+    from sfi_gguf.core.library import llama_cpp
     from sfi_gguf.tools.texts import natural_text
 
     params = llama_cpp.llama_model_default_params()

@@ -10,7 +10,7 @@ import argparse
 import time
 
 from sfi_gguf import SFILlama
-from sfi_gguf.sfi import format_sfi_stats
+from sfi_gguf.core.stepper import format_sfi_stats
 from sfi_gguf.tools.texts import natural_text
 
 FACT = "The archive room on the third floor is opened with the access code 4817."

@@ -114,7 +114,7 @@ class ggml_tensor(ctypes.Structure):
 
 @functools.cache
 def _ggml_base():
-    from sfi_gguf._native import LIB_PATH
+    from sfi_gguf.core.library import LIB_PATH
 
     base = ctypes.CDLL(str(next(p for p in LIB_PATH.parent.iterdir() if p.name.startswith("libggml-base."))))
     for name, args, res in (("ggml_op_name", [ctypes.c_int], ctypes.c_char_p),
@@ -149,11 +149,11 @@ class Recorder:
         self.devices = devices or {}
         self._supports = None
         if self.devices:
-            from sfi_gguf import devices as d
+            from sfi_gguf.core import devices as d
 
             self._supports = d._ggml().ggml_backend_dev_supports_op
             self._supports.argtypes, self._supports.restype = [ctypes.c_void_p, ctypes.c_void_p], ctypes.c_bool
-        from sfi_gguf._native import llama_cpp
+        from sfi_gguf.core.library import llama_cpp
 
         self.errors: list[str] = []
 
@@ -250,8 +250,9 @@ def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = N
     """Every run of runs() with the recorder attached; returns each run's step counts."""
     import numpy as np
 
-    from sfi_gguf import context, llama
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf import sfi_llama
+    from sfi_gguf.core import context
+    from sfi_gguf.core.config import SFIConfig
     from sfi_gguf.tools.random_model import random_model
 
     out = {}
@@ -262,8 +263,8 @@ def capture(recorder: Recorder, n_gpu_layers: int = 0, only: set[str] | None = N
         recorder.run = run.name
         make = functools.partial(context.LlamaContext, cb_eval=recorder.fn, type_kv=run.type_kv)
         sfi = SFIConfig(**run.config) if run.config else False
-        with mock.patch.object(llama, "LlamaContext", make):
-            llm = llama.SFILlama(random_model(run.model), n_ctx=1024, n_threads=1, flash_attn=run.flash_attn,
+        with mock.patch.object(sfi_llama, "LlamaContext", make):
+            llm = sfi_llama.SFILlama(random_model(run.model), n_ctx=1024, n_threads=1, flash_attn=run.flash_attn,
                                  n_gpu_layers=n_gpu_layers, sfi=sfi, n_parallel=3 if run.batched else 1)
         with llm:
             prompt = [int(t) for t in rng.integers(3, 300, 700)]
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
 
     sources = read_sources(args.tree)
     checkers = backends(sources)
-    from sfi_gguf import devices
+    from sfi_gguf.core import devices
 
     own = {d["backend"]: d["ptr"] for d in devices.devices() if d["backend"] in checkers}
     recorder = Recorder(own)

@@ -45,7 +45,7 @@ if [[ " $stages " == *" build "* ]]; then
 fi
 if [[ " $stages " == *" diag "* ]]; then
     log "toolchain and exported libstdc++ symbols"
-    LIB=$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())" 2>/dev/null)
+    LIB=$(python3 -c "from sfi_gguf.core.library import find_lib_dir; print(find_lib_dir())" 2>/dev/null)
     { grep -E "CXX compiler identification|CUDA compiler identification|CUDA host compiler|CMAKE_CUDA_HOST" "$OUT/build.log" | head
       which g++ c++ nvcc; g++ --version | head -1; echo "PATH=$PATH"; echo "LD_LIBRARY_PATH=${LD_LIBRARY_PATH:-}"
       for f in "$LIB"/*.so*; do echo "-- $f: $(nm -D --defined-only "$f" 2>/dev/null | grep -c 'St.*basic_ostream\|_M_insert') ostream symbols"
@@ -74,7 +74,7 @@ if [[ " $stages " == *" op-tests "* ]]; then
         2>&1 | tee "$OUT/gpu-op-tests.log" | grep -v "^ok " | tail -8
     log "the SFI ops timed at a slow step's shape"
     for ns in ${SFI_PERF_STREAMS:-1}; do
-        "$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" perf -s $ns ${SFI_PERF_NKV:-32768 131328} \
+        "$(python3 -c "from sfi_gguf.core.library import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" perf -s $ns ${SFI_PERF_NKV:-32768 131328} \
             2>&1 | tee -a "$OUT/gpu-op-perf.txt"
     done
 fi
@@ -152,7 +152,7 @@ if [[ " $stages " == *" native "* ]]; then
 fi
 if [[ " $stages " == *" profile "* ]]; then
     log "export ops of a slow step, per stage (Qwen3-4B shape, 36 layers)"
-    LIB=$(python3 -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")
+    LIB=$(python3 -c "from sfi_gguf.core.library import find_lib_dir; print(find_lib_dir())")
     g++ -O2 -std=c++17 benchmarks/export_ops_bench.cpp -I.gpu/llama.cpp/ggml/include -L"$LIB" -lggml -lggml-base \
         -Wl,-rpath,"$LIB" -o "$OUT/export_ops_bench" || exit 1
     for n_kv in ${SFI_PROFILE_NKV:-32768 131072}; do "$OUT/export_ops_bench" "$n_kv" 8192 | tee -a "$OUT/export_ops-h200.txt"; done

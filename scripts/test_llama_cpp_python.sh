@@ -34,7 +34,7 @@ if [ -n "$MISSING" ]; then
     "$PY" -m pip install -q $MISSING
 fi
 
-LIB_DIR=$("$PY" -c "from sfi_gguf._native import find_lib_dir; print(find_lib_dir())")
+LIB_DIR=$("$PY" -c "from sfi_gguf.core.library import find_lib_dir; print(find_lib_dir())")
 DEFAULT_MODEL=$("$PY" -c "import sfi_gguf; print(sfi_gguf.ensure_model())" | tail -n 1)
 SDIST=$("$PY" native/prepare_llama_cpp.py --dest unused --fetch-only | tail -n 1)
 

@@ -41,9 +41,9 @@ def _sfi_flag_groups() -> list[tuple[str, type, list[str]]]:
     policy's and each selector's parameters; a name shared by several has one flag, in its first group."""
     import dataclasses
 
-    from .config import SFIConfig
-    from .policy import POLICIES
-    from .selector import SELECTORS
+    from .core.config import SFIConfig
+    from .core.policy import POLICIES
+    from .core.selector import SELECTORS
 
     groups = [("Slow-Fast Inference (on by default)", SFIConfig,
                [f.name for f in dataclasses.fields(SFIConfig) if f.name not in _NOT_FLAGS])]
@@ -75,10 +75,10 @@ def add_sfi_args(parser: argparse.ArgumentParser, *, dense: bool = True, policie
     """The SFI flags, made from the fields of `SFIConfig` and of each registered policy's and selector's
     parameters (name, type, help from the docstring, default). A flag left out keeps the field's
     default (`sfi_config_from_args`). `dense`: also --dense; `policies`: the choices of --policy."""
-    from .config import SFIConfig
-    from .params import field_help
-    from .policy import POLICIES
-    from .selector import SELECTORS
+    from .core.config import SFIConfig
+    from .core.params import field_help
+    from .core.policy import POLICIES
+    from .core.selector import SELECTORS
 
     policies = list(POLICIES if policies is None else policies)
     (title, _, budget), *params = _sfi_flag_groups()
@@ -102,15 +102,15 @@ def add_sfi_args(parser: argparse.ArgumentParser, *, dense: bool = True, policie
 
 
 def _param_classes() -> list[type]:
-    from .policy import POLICIES
-    from .selector import SELECTORS
+    from .core.policy import POLICIES
+    from .core.selector import SELECTORS
 
     return list(dict.fromkeys(c.Params for c in [*POLICIES.values(), *SELECTORS.values()]))
 
 
 def _owner(params: type) -> str:
-    from .policy import POLICIES
-    from .selector import SELECTORS
+    from .core.policy import POLICIES
+    from .core.selector import SELECTORS
 
     return ", ".join([n for n, c in POLICIES.items() if c.Params is params] +
                      [n for n, c in SELECTORS.items() if c.Params is params])
@@ -119,7 +119,7 @@ def _owner(params: type) -> str:
 def sfi_config_from_args(args: argparse.Namespace, warn=None):
     """The `SFIConfig` of the flags `add_sfi_args` made (False with --dense): the flags given, the
     defaults for the others. `warn(text)` is told about parameters the policy or selector named does not read."""
-    from .config import SFIConfig
+    from .core.config import SFIConfig
 
     if getattr(args, "dense", False):
         return False
@@ -143,7 +143,7 @@ def _sfi_from_args(args: argparse.Namespace):
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    from .sampling import SamplingParams
+    from .core.sampling import SamplingParams
 
     d = SamplingParams()
     g = p.add_argument_group("sampling", "the defaults are llama-cpp-python's and llama-server's")
@@ -157,14 +157,14 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
 
 def _sampling_from_args(args: argparse.Namespace):
     """The command's SamplingParams, checked before the model loads."""
-    from .sampling import SamplingParams
+    from .core.sampling import SamplingParams
 
     return SamplingParams.of(vars(args))
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from .llama import SFILlama
-    from .sfi import format_sfi_stats
+    from .sfi_llama import SFILlama
+    from .core.stepper import format_sfi_stats
 
     prompt = args.prompt
     if args.file:
@@ -208,7 +208,7 @@ def _port(text: str) -> int:
 
 
 def _llm_from_args(args: argparse.Namespace, progress: bool = False):
-    from .llama import SFILlama
+    from .sfi_llama import SFILlama
 
     return SFILlama(args.model, n_ctx=args.n_ctx, n_gpu_layers=args.n_gpu_layers, n_threads=args.threads,
                     flash_attn=_flash_attn(args), verbose=args.verbose, progress=progress,
@@ -216,7 +216,7 @@ def _llm_from_args(args: argparse.Namespace, progress: bool = False):
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
-    from .chat import chat_loop
+    from .cli_chat import chat_loop
 
     sampling = _sampling_from_args(args)
     return chat_loop(_llm_from_args(args), system=args.system, max_tokens=args.max_tokens, stats=args.stats,
@@ -224,7 +224,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from .server import serve
+    from .serve.server import serve
 
     serve(_llm_from_args(args), host=args.host, port=args.port, model_name=args.alias, verbose=args.verbose)
     return 0
@@ -241,7 +241,7 @@ def _cmd_model(args: argparse.Namespace) -> int:
 
 def _cmd_info(args: argparse.Namespace) -> int:
     from . import native_info
-    from .devices import summary
+    from .core.devices import summary
 
     print(json.dumps({**native_info(), **summary()}, indent=2))
     return 0

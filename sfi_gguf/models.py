@@ -14,7 +14,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._progress import Progress
+from .core.progress import Progress
 
 
 @dataclass(frozen=True)

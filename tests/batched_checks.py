@@ -6,9 +6,9 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from sfi_gguf import native
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.native import SFINative
+from sfi_gguf.core import bindings
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.bindings import SFINative
 from native_harness import MultiCtx, select_all, seq_cells, tokens_for
 
 
@@ -32,7 +32,7 @@ def one_and_by_kind(model, flash_attn, export, offload_kqv=True):
     """Two contexts holding the same four prompts, each with SFI on every sequence (all its cells selected) and the
     export of `export` ("every_cell", "candidates" or "device_selector"): (one, by_kind, sfi_one, sfi_kind), closed
     afterwards. One decodes a step's sequences in one llama_decode, the other one decode per kind."""
-    from sfi_gguf.selector import SFISelector
+    from sfi_gguf.core.selector import SFISelector
 
     one = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
     by_kind = MultiCtx(model, n_seq=len(MIXED_PROMPTS), flash_attn=flash_attn, offload_kqv=offload_kqv)
@@ -74,7 +74,7 @@ def mixed_equals_by_kind(model, flash_attn, export, offload_kqv=True):
             for s in range(n_seq):
                 # (batches of other sizes round differently: a few thousandths on a GPU after some steps)
                 assert np.abs(lo[s] - lk[s]).max() < 2e-2 and lo[s].argmax() == lk[s].argmax(), (step, s)
-                assert bool(sfi_one.status(s) & native.STATUS_LAST_FAST) == (mix[s] == "F"), (step, s)
+                assert bool(sfi_one.status(s) & bindings.STATUS_LAST_FAST) == (mix[s] == "F"), (step, s)
                 assert (sfi_one.mass(s) is not None) == (mix[s] == "S" and export != "device_selector"), (step, s)
             for s in range(n_seq):
                 if mix[s] == "D":

@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sfi_gguf import _native, native
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.context import decode_one_per_sequence
-from sfi_gguf.native import SFINative
+from sfi_gguf.core import bindings, library
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.context import decode_one_per_sequence
+from sfi_gguf.core.bindings import SFINative
 
 # one thread: the models are tiny, and OpenMP spin-waits badly when the 2 cores of CI are shared
 THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))
@@ -45,7 +45,7 @@ class ggml_tensor(ctypes.Structure):
 
 @functools.cache
 def _ggml_base():
-    base = ctypes.CDLL(str(next(Path(_native.find_lib_dir()).glob("libggml-base.*"))))
+    base = ctypes.CDLL(str(next(Path(library.find_lib_dir()).glob("libggml-base.*"))))
     base.ggml_op_name.restype = ctypes.c_char_p
     base.ggml_op_name.argtypes = [ctypes.c_int]
     return base
@@ -213,7 +213,7 @@ def run_pair(model, n_prefill, n_steps, make_sel, type_kv=GGML_TYPE_F16, n_tail_
         for _ in range(n_steps):
             a.decode([tok])
             b.decode([tok])
-            assert sfi.status() & native.STATUS_LAST_FAST, sfi.status()
+            assert sfi.status() & bindings.STATUS_LAST_FAST, sfi.status()
             la, lb = a.logits(), b.logits()
             out.append((la, lb))
             tok = int(np.argmax(la))

@@ -8,8 +8,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from sfi_gguf import _log
-from sfi_gguf._native import llama_cpp
+from sfi_gguf.core import log as llama_log
+from sfi_gguf.core.library import llama_cpp
 from native_harness import GGML_TYPE_F16, Model, all_cells, run_pair  # tests/ is on sys.path (pytest's import mode)
 
 SPLIT_LAYER = llama_cpp.LLAMA_SPLIT_MODE_LAYER
@@ -24,7 +24,7 @@ class PlacedModel(Model):
         mp.n_gpu_layers = n_gpu_layers
         mp.split_mode = split_mode
         mp.main_gpu = main_gpu
-        if devices is not None:  # a NULL-terminated ggml_backend_dev_t array (sfi_gguf.devices.model_devices)
+        if devices is not None:  # a NULL-terminated ggml_backend_dev_t array (sfi_gguf.core.devices.model_devices)
             mp.devices = ctypes.cast(devices, ctypes.c_void_p)
         self.ptr = llama_cpp.llama_model_load_from_file(str(path).encode(), mp)
         assert self.ptr, f"cannot load {path}"
@@ -45,7 +45,7 @@ def llama_log():
     try:
         yield pieces
     finally:
-        _log.install()
+        llama_log.install()
 
 
 def buffer_names(log: list[str], what: str) -> set[str]:

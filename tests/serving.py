@@ -2,7 +2,7 @@
 import threading
 from contextlib import contextmanager
 
-from sfi_gguf.server import SFIServer
+from sfi_gguf.serve.server import SFIServer
 
 
 @contextmanager

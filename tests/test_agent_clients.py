@@ -10,7 +10,7 @@ import asyncio
 
 import pytest
 
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 agents = pytest.importorskip("agents")

@@ -3,7 +3,7 @@ greedy): a two-tool loop to its final answer, with one tool result long enough t
 `with_structured_output` by JSON schema and by function calling."""
 import pytest
 
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 langchain_openai = pytest.importorskip("langchain_openai")

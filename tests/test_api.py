@@ -4,9 +4,10 @@ import inspect
 
 import pytest
 
-from sfi_gguf import ensure_model, openai_api  # first: points llama_cpp at the patched library
+from sfi_gguf import ensure_model  # first: points llama_cpp at the patched library
+from sfi_gguf.serve import openai_api
 from llama_cpp import llama_types  # noqa: E402,I001
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model

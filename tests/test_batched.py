@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.sampling import SamplingParams
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.sampling import SamplingParams
 from sfi_gguf.tools.random_model import random_model
 
 LENGTHS = (300, 420, 250, 380)  # 4 prompts, 3 slots: the last waits for a free one
@@ -139,7 +139,7 @@ def test_gpu_defaults(llm):
     (BENCHMARKS.md: on the H200 batched SFI with staggered refreshes measured 0.90x-0.95x dense at 16K, 1.21x at 32K), a single
     sequence too, and the Selector runs in the slow step's graph unless device_selector says otherwise; on the
     CPU neither."""
-    from sfi_gguf.engine import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
+    from sfi_gguf.core.engine import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine
 
     config = SFIConfig()
     gpu = SFIEngine(llm._ctx, 99, llm.split_mode)  # only the config logic: nothing is offloaded here

@@ -9,9 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from sfi_gguf import native
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.native import SFINative, SFISequence
+from sfi_gguf.core import bindings
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.bindings import SFINative, SFISequence
 import batched_checks
 from native_harness import (FLASH_ATTN, GGML_TYPE_F16, GGML_TYPE_Q8_0, N_CTX_SEQ, N_SEQ, Ctx, MultiCtx, select_all,
                             seq_cells, tokens_for)
@@ -45,7 +45,7 @@ def test_all_cells_per_sequence_is_bit_identical(tiny, flash_attn):
         for _ in range(24):
             la, lb = a.step(toks), b.step(toks)
             for s in range(N_SEQ):
-                assert sfi.status(s) & native.STATUS_LAST_FAST
+                assert sfi.status(s) & bindings.STATUS_LAST_FAST
                 assert np.array_equal(la[s], lb[s]), s
             toks = {s: int(np.argmax(la[s])) for s in range(N_SEQ)}
     finally:
@@ -129,7 +129,7 @@ def test_batched_slow_step_exports_per_sequence(tiny, n_candidates, flash_attn):
 def test_batched_slow_step_loads_each_sequence_s_selection(tiny, flash_attn, type_kv):
     """A slow batch of every sequence with the device Selector: load_selection(seq) gives each sequence the memory
     set_selection(selection(seq), shared=its sink + recent cells) gives it (bit-identical fast steps after)."""
-    from sfi_gguf.selector import CandidateRange, SFISelector
+    from sfi_gguf.core.selector import CandidateRange, SFISelector
 
     n_sink, n_recent, k_head = 4, 32, 48
     a, b = (MultiCtx(tiny, flash_attn=flash_attn, type_kv=type_kv), MultiCtx(tiny, flash_attn=flash_attn, type_kv=type_kv))
@@ -157,7 +157,7 @@ def test_batched_slow_step_loads_each_sequence_s_selection(tiny, flash_attn, typ
             tokens = {s: 20 + step + s for s in range(N_SEQ) if (step + s) % 3}  # not every sequence every step
             la, lb = a.step(tokens), b.step(tokens)
             for s in tokens:
-                assert loads.status(s) & native.STATUS_LAST_FAST, (step, s)
+                assert loads.status(s) & bindings.STATUS_LAST_FAST, (step, s)
                 assert np.array_equal(la[s], lb[s]), (step, s)
     finally:
         a.close()
@@ -181,7 +181,7 @@ def test_mixed_slow_and_fast_sequences(tiny):
             lb.update(b.step({s: toks[s] for s in toks if s not in slow}))
             for s in range(N_SEQ):
                 assert np.abs(la[s] - lb[s]).max() < 5e-3 and la[s].argmax() == lb[s].argmax(), (step, s)
-                assert bool(sfi.status(s) & native.STATUS_VIEW_VALID) == (s not in slow)
+                assert bool(sfi.status(s) & bindings.STATUS_VIEW_VALID) == (s not in slow)
             for s in slow:
                 mass = sfi.mass(s)
                 assert mass is not None and sfi.mass((s + 1) % N_SEQ) is None
@@ -251,14 +251,14 @@ def test_cache_edit_invalidates_only_that_sequence(tiny):
         b.step({s: 4 for s in range(N_SEQ)})
         assert llama_cpp.llama_memory_seq_rm(b.mem, 1, PROMPTS[1] - 10, -1)
         b.n_past[1] = PROMPTS[1] - 10
-        valid = [bool(sfi.status(s) & native.STATUS_VIEW_VALID) for s in range(N_SEQ)]
+        valid = [bool(sfi.status(s) & bindings.STATUS_VIEW_VALID) for s in range(N_SEQ)]
         assert valid == [True, False, True]
         b.step({0: 4, 2: 4})  # the other sequences stay fast
         assert sfi.last_fast and not sfi.fell_back_dense
         b.step({0: 4, 1: 4, 2: 4})  # the sequence with an invalid view runs dense, the others fast
-        fell_back = [bool(sfi.status(s) & native.STATUS_FELL_BACK_DENSE) for s in range(N_SEQ)]
-        last_fast = [bool(sfi.status(s) & native.STATUS_LAST_FAST) for s in range(N_SEQ)]
-        valid = [bool(sfi.status(s) & native.STATUS_VIEW_VALID) for s in range(N_SEQ)]
+        fell_back = [bool(sfi.status(s) & bindings.STATUS_FELL_BACK_DENSE) for s in range(N_SEQ)]
+        last_fast = [bool(sfi.status(s) & bindings.STATUS_LAST_FAST) for s in range(N_SEQ)]
+        valid = [bool(sfi.status(s) & bindings.STATUS_VIEW_VALID) for s in range(N_SEQ)]
         assert fell_back == [False, True, False] and last_fast == [True, False, True] and valid == [True, False, True]
     finally:
         b.close()
@@ -269,9 +269,9 @@ def test_a_sequence_s_mode_refuses_bad_input(tiny):
     try:
         sfi = SFINative(b.ctx, n_sel_max=64, n_tail_max=16)
         for mode, seq in ((7, 0), (SFINative.FAST, N_SEQ), (SFINative.FAST, -1)):
-            with pytest.raises(native.SFIError) as e:
+            with pytest.raises(bindings.SFIError) as e:
                 sfi.set_mode(mode, seq=seq)
-            assert e.value.code == native.ERR_BAD_ARG
+            assert e.value.code == bindings.ERR_BAD_ARG
         sfi.set_mode(SFINative.SLOW, seq=1)  # one sequence slow, the others as set for all (dense)
         b.step({s: 3 for s in range(N_SEQ)})
         assert [sfi.mass(s) is not None for s in range(N_SEQ)] == [False, True, False]
@@ -294,7 +294,7 @@ def test_sequence_view_acts_on_its_sequence(tiny):
             assert np.array_equal(view.mass(), sfi.mass(s))
             assert view.n_query_rows() == sfi.n_query_rows(s)
         views[1].set_selection(np.broadcast_to(seq_cells(sfi, 1), (sfi.n_layers, sfi.n_head_kv, PROMPTS[1] + 1)))
-        valid = [bool(sfi.status(s) & native.STATUS_VIEW_VALID) for s in range(N_SEQ)]
+        valid = [bool(sfi.status(s) & bindings.STATUS_VIEW_VALID) for s in range(N_SEQ)]
         assert valid == [False, True, False]
         views[2].set_n_candidates(16)
         views[2].set_refresh_layers(2, 1)
@@ -310,8 +310,8 @@ def test_sequence_view_acts_on_its_sequence(tiny):
 def test_unified_cache_with_several_sequences_is_refused(tiny):
     c = Ctx(tiny, n_seq_max=2, kv_unified=True)
     try:
-        with pytest.raises(native.SFIError) as e:
+        with pytest.raises(bindings.SFIError) as e:
             SFINative(c.ctx)
-        assert e.value.code == native.ERR_UNSUPPORTED
+        assert e.value.code == bindings.ERR_UNSUPPORTED
     finally:
         c.close()

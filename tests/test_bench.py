@@ -8,8 +8,8 @@ from sfi_gguf.tools.bench import (
     build_parser, config_overrides, forced_tokens_digest, load_confidence_trace, run_bench, text_tokens, trace_top1,
 )
 from sfi_gguf.cli import sfi_config_from_args
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.llama import SFILlama
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 
 # every test runs a random model with the default model's tokenizer, copied from the downloaded model
@@ -140,7 +140,7 @@ def test_staggered_sequences_refresh_on_different_steps(model):
 def test_each_step_samples_where_the_option_says(model, monkeypatch):
     """`--sampling`: every step of the dense, SFI and ceiling runs makes (and waits for) the pick a sampled generation
     makes: in the graph ("default"), or on the host over the copied logits ("host"); the row and table say which."""
-    from sfi_gguf.device_picks import DevicePicks
+    from sfi_gguf.core.device_picks import DevicePicks
     from sfi_gguf.tools.bench import markdown_table, run_bench_batched
 
     picks = []

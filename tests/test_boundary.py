@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from sfi_gguf.boundary import ASCII_ENDERS, CJK_ENDERS, CLOSERS, BoundaryDetector, Ending, PieceTable, Start
+from sfi_gguf.core.boundary import ASCII_ENDERS, CJK_ENDERS, CLOSERS, BoundaryDetector, Ending, PieceTable, Start
 from sfi_gguf.models import ensure_model
 
 WS = " \t\n\r\x0b\x0c"

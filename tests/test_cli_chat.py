@@ -57,7 +57,7 @@ def test_run_and_chat_share_one_set_of_sampling_flags():
     """One set of sampling flags, llama-cpp-python's defaults for both commands (said in --help); a bad value is
     refused before any model is loaded."""
     from sfi_gguf.cli import _sampling_from_args, build_parser
-    from sfi_gguf.sampling import SamplingParams
+    from sfi_gguf.core.sampling import SamplingParams
 
     parser = build_parser()
     for argv in (["run", "hi"], ["chat"]):

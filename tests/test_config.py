@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from sfi_gguf.config import SFIConfig, parameter_owners
-from sfi_gguf.params import Params
-from sfi_gguf.policy import POLICIES, FixedParams, PolicyParams, PunctuationParams
-from sfi_gguf.selector import SELECTORS, SelectorParams, SFISelectorParams, TopKMassParams, make_selector
+from sfi_gguf.core.config import SFIConfig, parameter_owners
+from sfi_gguf.core.params import Params
+from sfi_gguf.core.policy import POLICIES, FixedParams, PolicyParams, PunctuationParams
+from sfi_gguf.core.selector import SELECTORS, SelectorParams, SFISelectorParams, TopKMassParams, make_selector
 
 
 def test_defaults_follow_the_spec():

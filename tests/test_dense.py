@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from sfi_gguf import SFILlama, ensure_model
-from sfi_gguf.devices import gpu_count
+from sfi_gguf.core.devices import gpu_count
 
 pytestmark = pytest.mark.real_model
 

@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.context import ContextError, LlamaContext
-from sfi_gguf.device_picks import DevicePicks
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.context import ContextError, LlamaContext
+from sfi_gguf.core.device_picks import DevicePicks
 from sfi_gguf.models import ensure_model
-from sfi_gguf.policy import top1_probability
+from sfi_gguf.core.policy import top1_probability
 from sfi_gguf.tools.random_model import random_model
 from sfi_gguf.tools.texts import natural_text
 

@@ -1,4 +1,4 @@
-"""Sampling in the decode's graph (`LlamaContext.set_device_picks` with a sampling chain, `sfi_gguf.device_picks`,
+"""Sampling in the decode's graph (`LlamaContext.set_device_picks` with a sampling chain, `sfi_gguf.core.device_picks`,
 native/src/llama-sfi-sampler.cpp): llama.cpp's top-k, top-p, min-p, temperature and dist samplers with the request's
 seed, and the model's top-1 probability for SFI's trigger.
 
@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.context import ContextError, LlamaContext
-from sfi_gguf.device_picks import DeviceChain, DevicePicks
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.context import ContextError, LlamaContext
+from sfi_gguf.core.device_picks import DeviceChain, DevicePicks
 from sfi_gguf.models import ensure_model
-from sfi_gguf.policy import top1_probability
-from sfi_gguf.sampling import Sampler, SamplingParams
+from sfi_gguf.core.policy import top1_probability
+from sfi_gguf.core.sampling import Sampler, SamplingParams
 from sfi_gguf.tools.random_model import random_model
 from sfi_gguf.tools.texts import natural_text
 

@@ -1,4 +1,4 @@
-"""The SFI Selector in the slow step's graph against the numpy reference (sfi_gguf.selector).
+"""The SFI Selector in the slow step's graph against the numpy reference (sfi_gguf.core.selector).
 
 With as many candidates as cells in the range, the device runs exactly the reference's stages on the full
 export: its scores (captured with cb_eval on the CPU) must match `SFISelector.score` and its selection
@@ -13,9 +13,9 @@ import os
 import numpy as np
 import pytest
 
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.native import SFINative
-from sfi_gguf.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.bindings import SFINative
+from sfi_gguf.core.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
 from sfi_gguf.tools.random_model import random_model
 from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, nmse, tokens_for
@@ -68,7 +68,7 @@ def host_export(full: SFINative, n_head: int) -> AttentionExport:
 
 
 def n_head_of(model) -> int:
-    from sfi_gguf._native import llama_cpp
+    from sfi_gguf.core.library import llama_cpp
 
     return llama_cpp.llama_model_n_head(model.ptr)
 
@@ -268,7 +268,7 @@ def test_candidates_outside_the_range_count_for_nothing(tiny):
 def test_shared_cells_and_overlap(tiny):
     """set_selection(own, shared=...) reads like the assembled selection (own + shared in every row), and
     the native overlap is `refresh_overlap` of the own cells."""
-    from sfi_gguf.selector import assemble_memory, refresh_overlap
+    from sfi_gguf.core.selector import assemble_memory, refresh_overlap
 
     n_prompt = 400
     (c, d), token = prefilled_pair(tiny, n_prompt, seed=4)
@@ -370,7 +370,7 @@ def test_a_slow_step_loads_its_own_selection(fixture, flash_attn, type_kv, reque
     sink + recent of the range) loads: the same slots (bit-identical fast steps) and the same overlap, which,
     with the selection's cells, are written natively once the next fast step is launched and read after it; it
     refuses when there is no slow-step selection to load (a decode or an edit since, or no Selector in the step)."""
-    from sfi_gguf.native import SFIError
+    from sfi_gguf.core.bindings import SFIError
 
     tiny = request.getfixturevalue(fixture)
     n_prompt = 600
@@ -429,7 +429,7 @@ def test_generation_with_the_device_selector_follows_the_numpy_selector(tmp_path
     import json
 
     from sfi_gguf import SFILlama, cli
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.core.config import SFIConfig
     from sfi_gguf.tools.random_model import random_model
 
     path = random_model("tiny-llama")
@@ -506,7 +506,7 @@ def test_generation_refreshing_one_group_of_layers_at_a_time():
     """SFIConfig.refresh_layer_groups=2 with the device Selector: the first refresh renews every layer, the
     later ones one group in turn; decoding runs sparse throughout."""
     from sfi_gguf import SFILlama
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.core.config import SFIConfig
     from sfi_gguf.tools.random_model import random_model
 
     llm = SFILlama(str(random_model("tiny-llama")), n_ctx=2048, n_threads=1)
@@ -537,7 +537,7 @@ def test_refresh_cycles_reuse_the_slow_and_the_fast_graph(device_selector):
     import llama_cpp
 
     from sfi_gguf import SFILlama
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.core.config import SFIConfig
     from sfi_gguf.tools.random_model import random_model
 
     llm = SFILlama(str(random_model("tiny-llama")), n_ctx=2048, n_threads=1)

@@ -15,7 +15,7 @@ import pytest
 import sfi_gguf  # first: points llama_cpp at the patched library
 import llama_cpp  # noqa: I001
 from sfi_gguf import Llama, SFILlama
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
@@ -172,7 +172,7 @@ def test_every_call_after_close_raises_context_error():
     """llama-cpp-python's objects keep pointers into the freed model: a call after close() must raise, not crash
     the process (run in a subprocess, so that a crash fails this test instead of ending pytest)."""
     code = ("from sfi_gguf import Llama\n"
-            "from sfi_gguf.context import ContextError\n"
+            "from sfi_gguf.core.context import ContextError\n"
             "llm = Llama(None, n_ctx=256, n_threads=1, verbose=False)\n"
             "llm('Hi', max_tokens=2)\n"
             "llm.close(); llm.close()\n"

@@ -149,7 +149,7 @@ def test_quick_suite_runs_every_policy_and_dense_solves_the_needles(tmp_path):
 def test_prompt_cache_is_trimmed_back_after_an_sfi_generation():
     """Dense after SFI (which decoded and cached its own tokens) equals dense from a fresh prefill."""
     from sfi_gguf import SFILlama
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.core.config import SFIConfig
 
     llm = SFILlama(None, n_ctx=1024, n_threads=2)
     try:

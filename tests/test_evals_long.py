@@ -5,8 +5,8 @@ import re
 import numpy as np
 import pytest
 
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.context import LlamaContext
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.context import LlamaContext
 from sfi_gguf.tools.evals import answer_agreement, chain, long_tasks, longdoc, multifact, reasoning
 from sfi_gguf.tools.evals.report import cadence_table, markdown_table
 from sfi_gguf.tools.evals.runner import (LONG_TASKS, SUITES, Suite, TaskPlan, aggregate, context_size, policy_config,

@@ -27,18 +27,18 @@ from collections import Counter, deque
 import numpy as np
 import pytest
 
-from sfi_gguf import native
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.native import SFINative
+from sfi_gguf.core import bindings
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.bindings import SFINative
 from sfi_gguf.tools.random_model import random_model
 
 THREADS = int(os.environ.get("SFI_TEST_THREADS", "1"))
 SEED = int(os.environ.get("SFI_FUZZ_SEED", "7"))
 STEPS = int(os.environ.get("SFI_FUZZ_STEPS", "600"))
-ERRORS = {native.ERR_NOT_INIT, native.ERR_BAD_ARG, native.ERR_RANGE, native.ERR_DUPLICATE, native.ERR_COUNT,
-          native.ERR_UNSUPPORTED, native.ERR_ALLOC, native.ERR_NO_SELECTION}
-STATUS_BITS = (native.STATUS_VIEW_VALID | native.STATUS_LAST_FAST | native.STATUS_FELL_BACK_DENSE
-               | native.STATUS_MASS_VALID)
+ERRORS = {bindings.ERR_NOT_INIT, bindings.ERR_BAD_ARG, bindings.ERR_RANGE, bindings.ERR_DUPLICATE, bindings.ERR_COUNT,
+          bindings.ERR_UNSUPPORTED, bindings.ERR_ALLOC, bindings.ERR_NO_SELECTION}
+STATUS_BITS = (bindings.STATUS_VIEW_VALID | bindings.STATUS_LAST_FAST | bindings.STATUS_FELL_BACK_DENSE
+               | bindings.STATUS_MASS_VALID)
 GGML_TYPE_F16, GGML_TYPE_Q8_0 = 1, 8
 
 
@@ -103,9 +103,9 @@ class Context:
 
     def occupied(self) -> np.ndarray:
         """Cells of sequence 0, in cell order (through the SFI API, which works without init)."""
-        n = native._get_cell_pos(self.ctx, 0, None, 0)
+        n = bindings._get_cell_pos(self.ctx, 0, None, 0)
         pos = np.empty(n, np.int32)
-        assert native._get_cell_pos(self.ctx, 0, pos.ctypes.data_as(native._i32p), n) == n
+        assert bindings._get_cell_pos(self.ctx, 0, pos.ctypes.data_as(bindings._i32p), n) == n
         return np.flatnonzero(pos >= 0).astype(np.int32)
 
     def close(self):
@@ -132,9 +132,9 @@ class Fuzzer:
     def __init__(self, c: Context, rng: np.random.Generator):
         self.c, self.rng = c, rng
         self.inited = False
-        self.mode = native.MODE_DENSE
+        self.mode = bindings.MODE_DENSE
         self.n_layers = self.n_head_kv = 0
-        self.params = native.default_params()
+        self.params = bindings.default_params()
         self.n_candidates = 0
         self.blobs: list[tuple[bytes, bool]] = []
         self.log: deque[str] = deque(maxlen=40)
@@ -154,7 +154,7 @@ class Fuzzer:
     # -- operations ---------------------------------------------------------------------------------
     def op_init(self):
         r = self.rng
-        p = native._default_params()
+        p = bindings._default_params()
         bad = r.random() < 0.25  # one parameter out of range
         p.n_sel_max = int(self.pick((20, r.integers(1, 300)), (1, self.c.n_ctx + 7), (bad, 0), (bad, -5)))
         p.n_tail_max = int(self.pick((20, r.integers(1, 80)), (1, 300), (bad, 0), (bad, -1)))
@@ -165,45 +165,45 @@ class Fuzzer:
         ptr = ctypes.byref(p) if r.random() > 0.03 else None
         code = self.rc(f"init(sel_max={p.n_sel_max}, tail_max={p.n_tail_max}, rows={p.n_query_rows}, "
                        f"alpha={p.evidence_alpha}, norms={p.export_key_norms}, null={ptr is None})",
-                       native._init(self.c.ctx, ptr))
-        assert code == (0 if valid and ptr is not None else native.ERR_BAD_ARG)
+                       bindings._init(self.c.ctx, ptr))
+        assert code == (0 if valid and ptr is not None else bindings.ERR_BAD_ARG)
         if code == 0:
-            self.inited, self.mode, self.n_candidates = True, native.MODE_DENSE, 0
-            self.params = {n: getattr(p, n) for n, _ in native.llama_sfi_params._fields_}
-            self.n_layers = native._n_layers(self.c.ctx)
+            self.inited, self.mode, self.n_candidates = True, bindings.MODE_DENSE, 0
+            self.params = {n: getattr(p, n) for n, _ in bindings.llama_sfi_params._fields_}
+            self.n_layers = bindings._n_layers(self.c.ctx)
             hkv = ctypes.c_int32()
             heads = []
             for i in range(self.n_layers):
-                self.rc("layer_info", native._layer_info(self.c.ctx, i, None, ctypes.byref(hkv)), {0})
+                self.rc("layer_info", bindings._layer_info(self.c.ctx, i, None, ctypes.byref(hkv)), {0})
                 heads.append(hkv.value)
             self.n_head_kv = max(heads)
             assert self.status() == 0
         # refused parameters leave the previous SFI state (if any) as it was
 
     def op_free(self):
-        native._free(self.c.ctx)
+        bindings._free(self.c.ctx)
         self.log.append("free")
         self.inited = False
-        assert native._n_layers(self.c.ctx) == 0 and self.status() == 0
+        assert bindings._n_layers(self.c.ctx) == 0 and self.status() == 0
 
     def op_mode(self):
         mode = int(self.pick((3, 0), (5, 1), (6, 2), (1, -1), (1, 3), (1, 1 << 30)))
-        code = self.rc(f"set_mode({mode})", native._set_mode(self.c.ctx, mode))
+        code = self.rc(f"set_mode({mode})", bindings._set_mode(self.c.ctx, mode))
         if not self.inited:
-            assert code == native.ERR_NOT_INIT
+            assert code == bindings.ERR_NOT_INIT
         elif mode in (0, 1, 2):
             assert code == 0
             self.mode = mode
         else:
-            assert code == native.ERR_BAD_ARG
+            assert code == bindings.ERR_BAD_ARG
 
     def op_candidates(self):
         n = int(self.pick((3, 0), (4, self.rng.integers(1, 64)), (1, 300), (1, 1 << 30), (1, -1)))
-        code = self.rc(f"set_n_candidates({n})", native._set_n_candidates(self.c.ctx, n))
+        code = self.rc(f"set_n_candidates({n})", bindings._set_n_candidates(self.c.ctx, n))
         if not self.inited:
-            assert code == native.ERR_NOT_INIT
+            assert code == bindings.ERR_NOT_INIT
         elif n < 0:
-            assert code == native.ERR_BAD_ARG
+            assert code == bindings.ERR_BAD_ARG
         else:
             assert code == 0
             self.n_candidates = n
@@ -243,17 +243,17 @@ class Fuzzer:
         elif kind == "null":
             ptr_null = True
         sel = np.ascontiguousarray(sel, np.int32)
-        ptr = None if ptr_null else sel.ctypes.data_as(native._i32p)
+        ptr = None if ptr_null else sel.ctypes.data_as(bindings._i32p)
         before = self.status()
         code = self.rc(f"set_selection({kind}, shape={shape}, seq={seq})",
-                       native._set_selection(c.ctx, seq, ptr, *shape))
+                       bindings._set_selection(c.ctx, seq, ptr, *shape))
         if not self.inited:
-            assert code == native.ERR_NOT_INIT
+            assert code == bindings.ERR_NOT_INIT
         elif code == 0:
-            assert self.status() & native.STATUS_VIEW_VALID
+            assert self.status() & bindings.STATUS_VIEW_VALID
         else:
             # a refused selection leaves the previous view alone
-            assert self.status() & native.STATUS_VIEW_VALID == before & native.STATUS_VIEW_VALID
+            assert self.status() & bindings.STATUS_VIEW_VALID == before & bindings.STATUS_VIEW_VALID
         if kind == "good" and self.inited and len(occ) >= n:
             assert code == 0, f"a valid selection was refused: {code}"
 
@@ -282,34 +282,34 @@ class Fuzzer:
         assert st & ~STATUS_BITS == 0, st
         if not self.inited:
             return code
-        fast, fell = bool(st & native.STATUS_LAST_FAST), bool(st & native.STATUS_FELL_BACK_DENSE)
+        fast, fell = bool(st & bindings.STATUS_LAST_FAST), bool(st & bindings.STATUS_FELL_BACK_DENSE)
         self.seen[("decode", "fast" if fast else "fell_back" if fell else ("dense", "slow", "?")[self.mode])] += 1
-        if self.mode == native.MODE_FAST:
+        if self.mode == bindings.MODE_FAST:
             assert fast != fell, st
         else:
             assert not fast and not fell, st
-        assert bool(st & native.STATUS_MASS_VALID) == (self.mode == native.MODE_SLOW), st
-        if self.mode == native.MODE_SLOW:
+        assert bool(st & bindings.STATUS_MASS_VALID) == (self.mode == bindings.MODE_SLOW), st
+        if self.mode == bindings.MODE_SLOW:
             self.check_exports(n)
-        if fell or self.mode != native.MODE_FAST:
-            assert not st & native.STATUS_VIEW_VALID, st
+        if fell or self.mode != bindings.MODE_FAST:
+            assert not st & bindings.STATUS_VIEW_VALID, st
         assert np.isfinite(c.logits()).all()
         return code
 
     def check_exports(self, n_tokens):
         c = self.c
         L, H, nc = (ctypes.c_int32() for _ in range(3))
-        mass = native._seq_get_mass(c.ctx, 0, ctypes.byref(L), ctypes.byref(H), ctypes.byref(nc))
+        mass = bindings._seq_get_mass(c.ctx, 0, ctypes.byref(L), ctypes.byref(H), ctypes.byref(nc))
         assert mass and (L.value, H.value) == (self.n_layers, self.n_head_kv)
         occ = c.occupied()
         assert 0 < nc.value <= c.n_ctx
         m = np.ctypeslib.as_array(mass, shape=(L.value, H.value, nc.value))
-        rows = native._seq_get_n_query_rows(c.ctx, 0)
+        rows = bindings._seq_get_n_query_rows(c.ctx, 0)
         n_last_ubatch = (n_tokens - 1) % c.n_ubatch + 1  # the export covers the last ubatch
         assert rows == min(self.params["n_query_rows"], n_last_ubatch)
         assert np.isfinite(m).all() and (m >= 0).all()
         group = llama_cpp.llama_model_n_head(c.model) // H.value
-        cand = native._seq_get_candidates(c.ctx, 0, None, None)
+        cand = bindings._seq_get_candidates(c.ctx, 0, None, None)
         self.seen[("export", "candidates" if self.n_candidates else "all")] += 1
         if self.n_candidates:  # the top cells of each layer only: ids of cells, no more than asked for
             assert cand and nc.value <= self.n_candidates
@@ -320,9 +320,9 @@ class Fuzzer:
         else:
             assert not cand and nc.value >= occ.max() + 1
             np.testing.assert_allclose(m.sum(-1), rows * group, rtol=2e-3)
-        ev = native._seq_get_evidence(c.ctx, 0, None, None, None)
+        ev = bindings._seq_get_evidence(c.ctx, 0, None, None, None)
         assert bool(ev) == (self.params["evidence_alpha"] > 0)
-        kn = native._seq_get_key_norms(c.ctx, 0, None, None, None)
+        kn = bindings._seq_get_key_norms(c.ctx, 0, None, None, None)
         assert bool(kn) == bool(self.params["export_key_norms"])
 
     def op_cycle(self):
@@ -330,8 +330,8 @@ class Fuzzer:
         if not self.inited:
             return
         if self.rng.random() < 0.4:  # a slow step first, as SFI does before a refresh
-            self.rc("set_mode(1)", native._set_mode(self.c.ctx, 1), {0})
-            self.mode = native.MODE_SLOW
+            self.rc("set_mode(1)", bindings._set_mode(self.c.ctx, 1), {0})
+            self.mode = bindings.MODE_SLOW
             self.op_decode()
         occ = self.c.occupied()
         if not len(occ):
@@ -339,10 +339,10 @@ class Fuzzer:
         n = int(self.rng.integers(1, min(len(occ), int(self.params["n_sel_max"])) + 1))
         sel = np.stack([np.stack([self.rng.permutation(occ)[:n] for _ in range(self.n_head_kv)])
                         for _ in range(self.n_layers)]).astype(np.int32)
-        self.rc("set_selection(cycle)", native._set_selection(self.c.ctx, 0, sel.ctypes.data_as(native._i32p),
+        self.rc("set_selection(cycle)", bindings._set_selection(self.c.ctx, 0, sel.ctypes.data_as(bindings._i32p),
                                                                *sel.shape), {0})
-        self.rc("set_mode(2)", native._set_mode(self.c.ctx, 2), {0})
-        self.mode = native.MODE_FAST
+        self.rc("set_mode(2)", bindings._set_mode(self.c.ctx, 2), {0})
+        self.mode = bindings.MODE_FAST
         for _ in range(int(self.rng.integers(1, 5))):
             self.op_decode()
 
@@ -352,15 +352,15 @@ class Fuzzer:
         if not self.inited:
             return
         r, c = self.rng, self.c
-        p = native._selector_default_params()
+        p = bindings._selector_default_params()
         p.k_head, p.n_sink, p.n_recent = int(r.integers(1, 24)), int(r.integers(0, 5)), int(r.integers(1, 24))
         n_cand = int(self.pick((3, r.integers(p.k_head, 64)), (1, 1 << 20)))
-        code = self.rc("set_selector", native._set_selector(c.ctx, ctypes.byref(p)), {0, native.ERR_UNSUPPORTED})
+        code = self.rc("set_selector", bindings._set_selector(c.ctx, ctypes.byref(p)), {0, bindings.ERR_UNSUPPORTED})
         if code != 0:  # the Selector needs the evidence and the key norms
             assert self.params["evidence_alpha"] <= 0 or not self.params["export_key_norms"]
             return
-        self.rc("set_n_candidates(device)", native._set_n_candidates(c.ctx, n_cand), {0})
-        self.rc("set_mode(1)", native._set_mode(c.ctx, 1), {0})
+        self.rc("set_n_candidates(device)", bindings._set_n_candidates(c.ctx, n_cand), {0})
+        self.rc("set_mode(1)", bindings._set_mode(c.ctx, 1), {0})
         try:
             code = c.decode([int(t) for t in r.integers(3, c.n_vocab, int(self.pick((4, 1), (1, r.integers(2, 9)))))])
             self.log.append(f"decode(device slow) -> {code}")
@@ -368,47 +368,47 @@ class Fuzzer:
                 assert code == 1, f"a device slow step failed: {code}"  # only a full cache may refuse it
                 return
             n_sel = ctypes.c_int32()
-            made = bool(native._seq_get_selection(c.ctx, 0, None, None, ctypes.byref(n_sel)))
-            code = self.rc(f"load_selection(k_head={p.k_head}, made={made})", native._seq_load_selection(c.ctx, 0),
-                           {0, native.ERR_NO_SELECTION, native.ERR_COUNT})
+            made = bool(bindings._seq_get_selection(c.ctx, 0, None, None, ctypes.byref(n_sel)))
+            code = self.rc(f"load_selection(k_head={p.k_head}, made={made})", bindings._seq_load_selection(c.ctx, 0),
+                           {0, bindings.ERR_NO_SELECTION, bindings.ERR_COUNT})
             assert code != 0 or made
             if code == 0:
-                assert self.status() & native.STATUS_VIEW_VALID
-                assert native._seq_load_selection(c.ctx, 0) == 0  # still this step's: loading it again is the same
-                self.rc("set_mode(2)", native._set_mode(c.ctx, 2), {0})
-                self.mode = native.MODE_FAST
+                assert self.status() & bindings.STATUS_VIEW_VALID
+                assert bindings._seq_load_selection(c.ctx, 0) == 0  # still this step's: loading it again is the same
+                self.rc("set_mode(2)", bindings._set_mode(c.ctx, 2), {0})
+                self.mode = bindings.MODE_FAST
                 codes = [self.op_decode() for _ in range(int(r.integers(1, 4)))]
                 if 0 in codes:  # a refused batch is no decode
-                    self.rc("load_selection(after a decode)", native._seq_load_selection(c.ctx, 0), {native.ERR_NO_SELECTION})
+                    self.rc("load_selection(after a decode)", bindings._seq_load_selection(c.ctx, 0), {bindings.ERR_NO_SELECTION})
         finally:
-            self.rc("set_selector(None)", native._set_selector(c.ctx, None), {0})
-            self.rc("set_n_candidates(back)", native._set_n_candidates(c.ctx, self.n_candidates), {0})
-            self.rc(f"set_mode({self.mode})", native._set_mode(c.ctx, self.mode), {0})
+            self.rc("set_selector(None)", bindings._set_selector(c.ctx, None), {0})
+            self.rc("set_n_candidates(back)", bindings._set_n_candidates(c.ctx, self.n_candidates), {0})
+            self.rc(f"set_mode({self.mode})", bindings._set_mode(c.ctx, self.mode), {0})
 
     def op_exports(self):
         c, r = self.c, self.rng
-        for fn in (native._seq_get_mass, native._seq_get_evidence, native._seq_get_key_norms):
+        for fn in (bindings._seq_get_mass, bindings._seq_get_evidence, bindings._seq_get_key_norms):
             outs = [ctypes.c_int32(-7) if r.random() < 0.8 else None for _ in range(3)]
             ptr = fn(c.ctx, 0, *[ctypes.byref(o) if o is not None else None for o in outs])
             if not ptr:
                 assert all(o is None or o.value == 0 for o in outs)
-        rows = native._seq_get_n_query_rows(c.ctx, 0)
-        assert rows >= 0 if self.inited else rows == native.ERR_NOT_INIT
+        rows = bindings._seq_get_n_query_rows(c.ctx, 0)
+        assert rows >= 0 if self.inited else rows == bindings.ERR_NOT_INIT
         seq = int(self.pick((6, 0), (1, 1), (1, -1)))
         n = int(self.pick((3, c.n_ctx), (1, 0), (1, 5), (1, c.n_ctx + 10), (1, -3)))
         buf = np.full(max(n, 0) + 4, -99, np.int32)
         null = r.random() < 0.1
         code = self.rc(f"get_cell_pos(seq={seq}, n={n}, null={null})",
-                       native._get_cell_pos(c.ctx, seq, None if null else buf.ctypes.data_as(native._i32p), n),
+                       bindings._get_cell_pos(c.ctx, seq, None if null else buf.ctypes.data_as(bindings._i32p), n),
                        frozenset({0, c.n_ctx}) | ERRORS)
         if seq == 0 and n >= 0 and not (null and n > 0):
             assert code == c.n_ctx
             assert (buf[min(n, c.n_ctx):] == -99).all()  # nothing written past min(n, kv_size)
         else:
-            assert code == native.ERR_BAD_ARG
+            assert code == bindings.ERR_BAD_ARG
         i = int(r.integers(-2, self.n_layers + 2))
-        code = self.rc(f"layer_info({i})", native._layer_info(c.ctx, i, None, None))
-        assert code == (native.ERR_NOT_INIT if not self.inited else 0 if 0 <= i < self.n_layers else native.ERR_BAD_ARG)
+        code = self.rc(f"layer_info({i})", bindings._layer_info(c.ctx, i, None, None))
+        assert code == (bindings.ERR_NOT_INIT if not self.inited else 0 if 0 <= i < self.n_layers else bindings.ERR_BAD_ARG)
 
     def op_cache(self, kind=None):
         r, c = self.rng, self.c
@@ -453,10 +453,10 @@ class Fuzzer:
             return
         # every change of the cells invalidates the view (saving does not change them)
         if self.inited and kind != "save":
-            assert not self.status() & native.STATUS_VIEW_VALID, (kind, self.status())
+            assert not self.status() & bindings.STATUS_VIEW_VALID, (kind, self.status())
 
     def status(self) -> int:
-        return int(native._seq_status(self.c.ctx, 0))
+        return int(bindings._seq_status(self.c.ctx, 0))
 
     def run(self, steps: int):
         ops = [(2, self.op_init), (1, self.op_free), (4, self.op_mode), (5, self.op_selection), (10, self.op_decode),
@@ -486,7 +486,7 @@ def test_random_api_sequences_never_crash(name, type_kv, n_ubatch, fa):
         # the run reached the interesting states (true for the default seed and step count)
         if STEPS >= 300:
             for key in [("decode", "fast"), ("decode", "fell_back"), ("decode", "slow"), ("set_selection", 0),
-                        ("set_selection", native.ERR_RANGE), ("set_selection", native.ERR_COUNT),
+                        ("set_selection", bindings.ERR_RANGE), ("set_selection", bindings.ERR_COUNT),
                         ("export", "all"), ("load_selection", 0), ("export", "candidates")]:
                 assert f.seen[key] > 0, f"never saw {key}"
     except AssertionError as e:
@@ -499,19 +499,19 @@ def test_calls_on_a_context_without_sfi_return_codes():
     c = Context(random_model("tiny-llama"))
     try:
         sel = np.zeros((2, 4, 1), np.int32)
-        assert native._set_selection(c.ctx, 0, sel.ctypes.data_as(native._i32p), 2, 4, 1) == native.ERR_NOT_INIT
-        assert native._set_mode(c.ctx, 1) == native.ERR_NOT_INIT
-        assert native._layer_info(c.ctx, 0, None, None) == native.ERR_NOT_INIT
-        assert native._seq_get_n_query_rows(c.ctx, 0) == native.ERR_NOT_INIT
-        assert native._n_layers(c.ctx) == 0 and native._seq_status(c.ctx, 0) == 0
-        assert not native._seq_get_mass(c.ctx, 0, None, None, None)
-        native._free(c.ctx)  # free without init is a no-op
+        assert bindings._set_selection(c.ctx, 0, sel.ctypes.data_as(bindings._i32p), 2, 4, 1) == bindings.ERR_NOT_INIT
+        assert bindings._set_mode(c.ctx, 1) == bindings.ERR_NOT_INIT
+        assert bindings._layer_info(c.ctx, 0, None, None) == bindings.ERR_NOT_INIT
+        assert bindings._seq_get_n_query_rows(c.ctx, 0) == bindings.ERR_NOT_INIT
+        assert bindings._n_layers(c.ctx) == 0 and bindings._seq_status(c.ctx, 0) == 0
+        assert not bindings._seq_get_mass(c.ctx, 0, None, None, None)
+        bindings._free(c.ctx)  # free without init is a no-op
         # a NULL context
-        assert native._init(None, ctypes.byref(native._default_params())) == native.ERR_BAD_ARG
-        assert native._set_mode(None, 0) == native.ERR_NOT_INIT
-        assert native._get_cell_pos(None, 0, None, 0) == native.ERR_BAD_ARG
-        assert native._seq_status(None, 0) == 0 and native._n_layers(None) == 0
-        native._free(None)
+        assert bindings._init(None, ctypes.byref(bindings._default_params())) == bindings.ERR_BAD_ARG
+        assert bindings._set_mode(None, 0) == bindings.ERR_NOT_INIT
+        assert bindings._get_cell_pos(None, 0, None, 0) == bindings.ERR_BAD_ARG
+        assert bindings._seq_status(None, 0) == 0 and bindings._n_layers(None) == 0
+        bindings._free(None)
     finally:
         c.close()
 
@@ -559,9 +559,9 @@ def test_status_after_a_refused_decode():
 def test_infinite_evidence_alpha_is_refused():
     c = Context(random_model("tiny-llama"))
     try:
-        p = native._default_params()
+        p = bindings._default_params()
         p.evidence_alpha = float("inf")
-        assert native._init(c.ctx, ctypes.byref(p)) == native.ERR_BAD_ARG
+        assert bindings._init(c.ctx, ctypes.byref(p)) == bindings.ERR_BAD_ARG
     finally:
         c.close()
 
@@ -639,8 +639,8 @@ def test_fast_step_after_a_cache_change_is_exact_or_dense(kind, fa):
         def step(tok, expect_fast, exact=True):
             assert a.decode([tok]) == 0 and b.decode([tok]) == 0
             st = sfi.status()
-            assert bool(st & native.STATUS_LAST_FAST) == expect_fast, (kind, st)
-            assert bool(st & native.STATUS_FELL_BACK_DENSE) == (not expect_fast), (kind, st)
+            assert bool(st & bindings.STATUS_LAST_FAST) == expect_fast, (kind, st)
+            assert bool(st & bindings.STATUS_FELL_BACK_DENSE) == (not expect_fast), (kind, st)
             la, lb = a.logits(), b.logits()
             if exact:
                 assert np.array_equal(la, lb), (kind, float(np.abs(la - lb).max()))

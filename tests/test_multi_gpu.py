@@ -13,9 +13,9 @@ import os
 
 import pytest
 
-from sfi_gguf import devices
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.llama import SFILlama
+from sfi_gguf.core import devices
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from placement import SPLIT_LAYER, PlacedModel, all_cells_equal_dense, buffer_names, llama_log
 
@@ -81,16 +81,16 @@ def test_row_split_refused_with_sfi():
 
 def test_bench_split_mode_option(tmp_path, monkeypatch):
     """`sfi-gguf bench --split-mode` reaches SFILlama and the JSON rows."""
-    from sfi_gguf import cli, llama
+    from sfi_gguf import cli, sfi_llama
 
     seen = []
-    init = llama.SFILlama.__init__
+    init = sfi_llama.SFILlama.__init__
 
     def spy(self, *args, **kwargs):
         seen.append(kwargs.get("split_mode"))
         init(self, *args, **kwargs)
 
-    monkeypatch.setattr(llama.SFILlama, "__init__", spy)
+    monkeypatch.setattr(sfi_llama.SFILlama, "__init__", spy)
     out = tmp_path / "bench.json"
     rc = cli.main(["bench", "-m", str(random_model("tiny-qwen3")), "--depths", "512", "-n", "8", "--k-head", "64",
                    "-t", "1", "--split-mode", "none", "--json", str(out)])

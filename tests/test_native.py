@@ -12,10 +12,10 @@ import ctypes
 import numpy as np
 import pytest
 
-from sfi_gguf import _native
-from sfi_gguf._native import lib, llama_cpp
-from sfi_gguf import native
-from sfi_gguf.native import SFIError, SFINative
+from sfi_gguf.core import library
+from sfi_gguf.core.library import lib, llama_cpp
+from sfi_gguf.core import bindings
+from sfi_gguf.core.bindings import SFIError, SFINative
 from sfi_gguf.tools.random_model import random_model
 from native_harness import (FLASH_ATTN, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model, all_cells, ggml_tensor, nmse, run_pair,
                             tokens_for)
@@ -24,27 +24,27 @@ from native_harness import (FLASH_ATTN, GGML_TYPE_Q8_0, NGL, Capture, Ctx, Model
 # -- API and errors --------------------------------------------------------------------------------
 
 def test_version_and_default_params():
-    assert lib.llama_sfi_version() == _native.EXPECTED_SFI_API_VERSION
-    p = native.default_params()
+    assert lib.llama_sfi_version() == library.EXPECTED_SFI_API_VERSION
+    p = bindings.default_params()
     assert p["n_sel_max"] > 0 and p["n_tail_max"] > 0 and p["n_query_rows"] == 1
 
 
 def test_calls_before_init_and_after_free(tiny):
     c = Ctx(tiny)
     try:
-        assert native._set_mode(c.ctx, 2) == native.ERR_NOT_INIT
+        assert bindings._set_mode(c.ctx, 2) == bindings.ERR_NOT_INIT
         sel = np.zeros((1, 1, 1), dtype=np.int32)
-        assert native._set_selection(c.ctx, 0, sel.ctypes.data_as(native._i32p), 1, 1, 1) == native.ERR_NOT_INIT
-        assert native._n_layers(c.ctx) == 0
-        assert native._seq_status(c.ctx, 0) == 0
+        assert bindings._set_selection(c.ctx, 0, sel.ctypes.data_as(bindings._i32p), 1, 1, 1) == bindings.ERR_NOT_INIT
+        assert bindings._n_layers(c.ctx) == 0
+        assert bindings._seq_status(c.ctx, 0) == 0
         n = ctypes.c_int32(-1)
-        assert not native._seq_get_mass(c.ctx, 0, None, None, ctypes.byref(n)) and n.value == 0
+        assert not bindings._seq_get_mass(c.ctx, 0, None, None, ctypes.byref(n)) and n.value == 0
         sfi = SFINative(c.ctx)
         assert sfi.n_layers == 2 and sfi.n_head_kv == 4
         sfi.free()
         with pytest.raises(SFIError) as e:
             sfi.set_mode(sfi.FAST)
-        assert e.value.code == native.ERR_NOT_INIT
+        assert e.value.code == bindings.ERR_NOT_INIT
         sfi.free()  # twice is fine
         c.decode(tokens_for(tiny, 8))  # and decoding still works
     finally:
@@ -56,7 +56,7 @@ def test_init_refusals(tiny):
     try:
         with pytest.raises(SFIError) as e:
             SFINative(c.ctx)
-        assert e.value.code == native.ERR_UNSUPPORTED
+        assert e.value.code == bindings.ERR_UNSUPPORTED
     finally:
         c.close()
     c = Ctx(tiny)
@@ -64,12 +64,12 @@ def test_init_refusals(tiny):
         for bad in (dict(n_sel_max=0), dict(n_tail_max=0), dict(n_query_rows=0), dict(evidence_alpha=-1.0)):
             with pytest.raises(SFIError) as e:
                 SFINative(c.ctx, **bad)
-            assert e.value.code == native.ERR_BAD_ARG
-        assert native._init(c.ctx, None) == native.ERR_BAD_ARG
+            assert e.value.code == bindings.ERR_BAD_ARG
+        assert bindings._init(c.ctx, None) == bindings.ERR_BAD_ARG
         sfi = SFINative(c.ctx)
         with pytest.raises(SFIError) as e:
             sfi.set_mode(7)
-        assert e.value.code == native.ERR_BAD_ARG
+        assert e.value.code == bindings.ERR_BAD_ARG
     finally:
         c.close()
 
@@ -88,26 +88,26 @@ def test_bad_selections(tiny):
             return e.value.code
 
         bad = good.copy(); bad[1, 2, 3] = -1
-        assert code(bad) == native.ERR_RANGE
+        assert code(bad) == bindings.ERR_RANGE
         bad = good.copy(); bad[0, 0, 0] = 512          # == kv_size
-        assert code(bad) == native.ERR_RANGE
+        assert code(bad) == bindings.ERR_RANGE
         bad = good.copy(); bad[0, 3, 5] = 100          # empty cell
-        assert code(bad) == native.ERR_RANGE
+        assert code(bad) == bindings.ERR_RANGE
         bad = good.copy(); bad[1, 1, 7] = bad[1, 1, 2]  # duplicate in one (layer, head)
-        assert code(bad) == native.ERR_DUPLICATE
-        assert code(np.tile(np.arange(33, dtype=np.int32), (L, H, 1))) == native.ERR_COUNT  # > n_sel_max
-        assert code(good[:1]) == native.ERR_COUNT       # wrong n_layers
-        assert code(good[:, :2]) == native.ERR_COUNT    # wrong n_head_kv
-        assert code(good[:, :, :0]) == native.ERR_COUNT  # empty
-        assert code(good, seq=1) == native.ERR_BAD_ARG
-        assert code(good, seq=-1) == native.ERR_BAD_ARG
-        assert native._set_selection(c.ctx, 0, None, L, H, 16) == native.ERR_BAD_ARG
+        assert code(bad) == bindings.ERR_DUPLICATE
+        assert code(np.tile(np.arange(33, dtype=np.int32), (L, H, 1))) == bindings.ERR_COUNT  # > n_sel_max
+        assert code(good[:1]) == bindings.ERR_COUNT       # wrong n_layers
+        assert code(good[:, :2]) == bindings.ERR_COUNT    # wrong n_head_kv
+        assert code(good[:, :, :0]) == bindings.ERR_COUNT  # empty
+        assert code(good, seq=1) == bindings.ERR_BAD_ARG
+        assert code(good, seq=-1) == bindings.ERR_BAD_ARG
+        assert bindings._set_selection(c.ctx, 0, None, L, H, 16) == bindings.ERR_BAD_ARG
         assert not sfi.view_valid
         # the same cell in two heads or two layers is fine
         sfi.set_selection(good)
         assert sfi.view_valid
         # a failing call leaves the loaded selection alone
-        assert code(bad) == native.ERR_DUPLICATE and sfi.view_valid
+        assert code(bad) == bindings.ERR_DUPLICATE and sfi.view_valid
         assert sfi.cell_pos()[:41].tolist() == list(range(40)) + [-1]
         with pytest.raises(SFIError):
             sfi.cell_pos(seq=3)
@@ -148,10 +148,10 @@ def test_large_selection_errors_name_the_first_bad_row_and_the_overlap_is_exact(
                     sel[i, h, 9] = 700  # an empty cell
             return sel
 
-        assert code(bad(dup=1)) == native.ERR_DUPLICATE
-        assert code(bad(rng=3, dup=6)) == native.ERR_RANGE
-        assert code(bad(dup=4, rng=7)) == native.ERR_DUPLICATE
-        assert code(bad(rng=L * H - 1)) == native.ERR_RANGE
+        assert code(bad(dup=1)) == bindings.ERR_DUPLICATE
+        assert code(bad(rng=3, dup=6)) == bindings.ERR_RANGE
+        assert code(bad(dup=4, rng=7)) == bindings.ERR_DUPLICATE
+        assert code(bad(rng=L * H - 1)) == bindings.ERR_RANGE
         assert sfi.view_valid and sfi.selection_overlap() == pytest.approx(hits / (L * H * n), rel=1e-6)
     finally:
         c.close()
@@ -286,8 +286,8 @@ def test_tail_full_and_invalidation(tiny):
             a.decode([tok])
             b.decode([tok])
             st = sfi.status()
-            assert bool(st & native.STATUS_LAST_FAST) == expect_fast, st
-            assert bool(st & native.STATUS_FELL_BACK_DENSE) == (not expect_fast), st
+            assert bool(st & bindings.STATUS_LAST_FAST) == expect_fast, st
+            assert bool(st & bindings.STATUS_FELL_BACK_DENSE) == (not expect_fast), st
             la, lb = a.logits(), b.logits()
             if holes:
                 assert np.abs(la - lb).max() < 5e-3 and la.argmax() == lb.argmax()

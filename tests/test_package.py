@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 import sfi_gguf
-from sfi_gguf import _native
-from sfi_gguf.context import LlamaContext
+from sfi_gguf.core import library
+from sfi_gguf.core.context import LlamaContext
 from sfi_gguf.models import KNOWN_MODELS, ensure_model, resolve_model_path
 from sfi_gguf.tools.random_model import random_model
 
@@ -19,17 +19,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_patched_library_is_the_one_llama_cpp_uses():
     info = sfi_gguf.native_info()
-    assert info["sfi_api_version"] == _native.EXPECTED_SFI_API_VERSION
-    assert Path(info["library"]).parent == _native.find_lib_dir().resolve()
+    assert info["sfi_api_version"] == library.EXPECTED_SFI_API_VERSION
+    assert Path(info["library"]).parent == library.find_lib_dir().resolve()
     # llama-cpp-python's bindings and our symbols share one CDLL
-    assert _native.llama_cpp.llama_cpp._lib is _native.lib
+    assert library.llama_cpp.llama_cpp._lib is library.lib
     assert "CPU" in info["system_info"]
 
 
 def test_refuses_when_llama_cpp_loaded_another_libllama(tmp_path):
     other = tmp_path / "otherlib"
-    shutil.copytree(_native.find_lib_dir(), other)
-    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(other))
+    shutil.copytree(library.find_lib_dir(), other)
+    env = dict(os.environ, LLAMA_CPP_LIB_PATH=str(other), PYTHONPATH=str(REPO))  # this checkout's sfi_gguf
     code = "import llama_cpp\nimport sfi_gguf\n"
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode != 0
@@ -38,11 +38,12 @@ def test_refuses_when_llama_cpp_loaded_another_libllama(tmp_path):
 
 def test_llama_cpp_imported_after_us_uses_our_library(tmp_path):
     code = ("import sfi_gguf, llama_cpp\n"
-            "from sfi_gguf._native import find_lib_dir\n"
+            "from sfi_gguf.core.library import find_lib_dir\n"
             "import pathlib\n"
             "assert pathlib.Path(llama_cpp.llama_cpp._lib._name).resolve().parent == find_lib_dir().resolve()\n"
             "print('ok')\n")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path)
+    result = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=str(REPO)),
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
 
@@ -83,14 +84,15 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 
 def test_no_import_circles_and_only_the_tooling_imports_the_tooling():
     graph = import_graph(REPO / "sfi_gguf")
-    assert "sfi_gguf.config" in graph["sfi_gguf.sfi"] and "sfi_gguf.tools.texts" in graph["sfi_gguf.tools.bench"]
+    assert "sfi_gguf.core.config" in graph["sfi_gguf.core.stepper"]
+    assert "sfi_gguf.tools.texts" in graph["sfi_gguf.tools.bench"]
     assert [m for m in graph if m in reachable(graph, m)] == []
     library = [m for m in graph if not m.startswith("sfi_gguf.tools")]
     assert [(m, t) for m in library for t in graph[m] if t.startswith("sfi_gguf.tools")] == []
 
 
 def test_the_library_and_the_cli_load_no_tooling():
-    code = ("import sys, sfi_gguf, sfi_gguf.cli, sfi_gguf.server, sfi_gguf.chat, sfi_gguf.slots\n"
+    code = ("import sys, sfi_gguf, sfi_gguf.cli, sfi_gguf.serve.server, sfi_gguf.cli_chat, sfi_gguf.serve.slots\n"
             "sfi_gguf.cli.build_parser()\n"
             "print(sorted(m for m in sys.modules if m.startswith('sfi_gguf.tools')))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
@@ -124,8 +126,8 @@ def test_library_log_filter_keeps_debug_lines_out_of_python():
     callback, verbose or not; the info lines always do (verbose prints them)."""
     import ctypes
 
-    from sfi_gguf import _log
-    from sfi_gguf._native import lib, llama_cpp
+    from sfi_gguf.core import log as llama_log
+    from sfi_gguf.core.library import lib, llama_cpp
 
     levels: list[int] = []
 
@@ -143,7 +145,7 @@ def test_library_log_filter_keeps_debug_lines_out_of_python():
                          verbose=verbose).close()
             seen[verbose] = set(levels)
     finally:
-        _log.install()
+        llama_log.install()
     debug, info = 1, 2  # enum ggml_log_level
     assert info in seen[False] and debug not in seen[False]
     assert info in seen[True] and debug not in seen[True]

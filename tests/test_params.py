@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 
 from sfi_gguf import cli
-from sfi_gguf.config import K_HEAD_LONG_CONTEXT, SFIConfig, parameter_owners
-from sfi_gguf.params import Params, field_docs, field_help
-from sfi_gguf.policy import POLICIES, PolicyParams, TriggerPolicy, make_policy, register_policy
-from sfi_gguf.selector import SELECTORS, SFISelector, SFISelectorParams, TopKMassParams, make_selector
+from sfi_gguf.core.config import K_HEAD_LONG_CONTEXT, SFIConfig, parameter_owners
+from sfi_gguf.core.params import Params, field_docs, field_help
+from sfi_gguf.core.policy import POLICIES, PolicyParams, TriggerPolicy, make_policy, register_policy
+from sfi_gguf.core.selector import SELECTORS, SFISelector, SFISelectorParams, TopKMassParams, make_selector
 
 PARAM_CLASSES = list(dict.fromkeys(c.Params for c in [*POLICIES.values(), *SELECTORS.values()]))
 
@@ -164,7 +164,7 @@ def test_params_base_checks_and_overrides():
 
 
 def test_the_native_defaults_are_the_python_defaults_and_every_field_is_passed():
-    native = pytest.importorskip("sfi_gguf.native")
+    native = pytest.importorskip("sfi_gguf.core.bindings")
     c_selector = native._selector_default_params()
     c_defaults = {name: getattr(c_selector, name) for name, _ in native.llama_sfi_selector_params._fields_}
     config = SFIConfig()

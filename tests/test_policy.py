@@ -4,9 +4,9 @@ import random
 import numpy as np
 import pytest
 
-from sfi_gguf.boundary import PieceTable
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.policy import (
+from sfi_gguf.core.boundary import PieceTable
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.policy import (
     POLICIES, DensePolicy, FixedPeriodPolicy, MemoryMode, PunctuationTmaxPolicy, SinkRecentPolicy, StaticPolicy,
     make_policy, policy_names, top1_probability,
 )

@@ -11,7 +11,7 @@ test_the_same_prompt_again_continues_from_a_fresh_objects_logits (random weights
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model

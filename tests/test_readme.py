@@ -33,7 +33,7 @@ def test_the_readme_has_python_blocks():
 @pytest.fixture(scope="module")
 def server():
     from sfi_gguf import SFILlama
-    from sfi_gguf.server import SFIServer
+    from sfi_gguf.serve.server import SFIServer
 
     llm = SFILlama(n_ctx=2048, n_threads=1)
     srv = SFIServer(llm, "127.0.0.1", 0)

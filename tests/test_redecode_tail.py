@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.native import SFINative
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.bindings import SFINative
 from sfi_gguf.tools.agreement import agreement_with, dense_reference, log_softmax
 from sfi_gguf.tools.random_model import random_model
 from sfi_gguf.tools.texts import natural_text

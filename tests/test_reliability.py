@@ -16,10 +16,10 @@ import warnings
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.context import ContextError
-from sfi_gguf.devices import gpu_count, summary
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.context import ContextError
+from sfi_gguf.core.devices import gpu_count, summary
 from sfi_gguf.tools.random_model import random_model
 
 THREADS = 1
@@ -158,7 +158,7 @@ def test_n_ctx_is_exact(tiny_path, n_ctx):
 
 
 def test_more_threads_than_cpus_warns(tiny_path, monkeypatch):
-    monkeypatch.setattr("sfi_gguf.llama.default_threads", lambda: 2)
+    monkeypatch.setattr("sfi_gguf.sfi_llama.default_threads", lambda: 2)
     with pytest.warns(RuntimeWarning, match="more than this machine's 2 CPUs"):
         SFILlama(str(tiny_path), n_ctx=N_CTX, n_threads=3).close()
 

@@ -17,10 +17,10 @@ import time
 import numpy as np
 import pytest
 
-from sfi_gguf import devices
-from sfi_gguf._native import llama_cpp
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.llama import SFILlama
+from sfi_gguf.core import devices
+from sfi_gguf.core.library import llama_cpp
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from batched_checks import mixed_equals_by_kind, staggered_refreshes
 from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0
@@ -205,8 +205,8 @@ def test_rpc_kv_on_host_generation_equals_kv_on_device(servers):
     and slow steps of the same model with the cache beside its layers."""
     code = f"""
 import numpy as np
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.llama import SFILlama
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 prompt = [int(t) for t in np.random.default_rng(1).integers(3, 300, 700)]
 config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0)

@@ -2,8 +2,8 @@
 selection is loaded a fixed number of fast steps after the slow step, on the real default model."""
 import pytest
 
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.sfi import SFIStepper
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.stepper import SFIStepper
 from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
@@ -45,7 +45,7 @@ def test_every_memory_of_a_delayed_selection_holds_every_cell(llm, prompt, monke
     dense on some CPUs only)."""
     import numpy as np
 
-    from sfi_gguf.native import SFINative
+    from sfi_gguf.core.bindings import SFINative
 
     loads = []
     original = SFINative.set_selection
@@ -71,7 +71,7 @@ def test_the_longest_stretched_window_fits_the_native_capacity(llm, prompt, monk
     newest, and the memory kept between a slow step and its load starts where the one before it started)."""
     import numpy as np
 
-    from sfi_gguf.native import SFINative
+    from sfi_gguf.core.bindings import SFINative
 
     loads = []
     original = SFINative.set_selection

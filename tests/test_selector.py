@@ -4,8 +4,8 @@ import math
 import numpy as np
 import pytest
 
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.selector import (
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.core.selector import (
     SELECTORS, AttentionExport, CandidateRange, SFISelector, TopKMassSelector, Workspace, assemble_memory,
     cross_head_exclusivity, local_pool, make_selector, mix_evidence_and_prior, power_mean_evidence, refresh_overlap,
     selector_names, sliding_max, soft_nms, structural_prior, top_k_per_row,
@@ -276,7 +276,7 @@ def test_threads_give_the_same_selection():
     export, _ = make_export(rng, n_layers=6, n_heads=4, n_cells=3000)
     candidates = CandidateRange(4, 2744)
     one = SFISelector(n_threads=1).select(export, candidates, 256)
-    import sfi_gguf.selector as selector_module
+    import sfi_gguf.core.selector as selector_module
     chunk = selector_module._CHUNK_ELEMENTS
     selector_module._CHUNK_ELEMENTS = 1  # one layer per chunk, so the threads really share the work
     try:

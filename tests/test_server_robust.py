@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.server import SFIServer
+from sfi_gguf.serve.server import SFIServer
 
 BODY_TIMEOUT = 1.0
 MAX_BODY = 64 * 1024

@@ -6,7 +6,7 @@ reused between them (prefix reuse), so the ~3.7K-token prefill is paid once.
 import pytest
 
 from sfi_gguf.tools.agreement import agreement_with, compare_with_dense, dense_reference
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 
 pytestmark = pytest.mark.real_model
@@ -42,7 +42,7 @@ def test_budget_covering_the_whole_context_equals_dense(llm, prompt):
 
 
 def test_statistics_add_up(llm, prompt, monkeypatch):
-    from sfi_gguf.context import LlamaContext
+    from sfi_gguf.core.context import LlamaContext
 
     softmaxes = []  # the confidence's softmax over the vocabulary runs only where the policy reads it
     real = LlamaContext.greedy_probability

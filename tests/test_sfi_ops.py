@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sfi_gguf._native import find_lib_dir
+from sfi_gguf.core.library import find_lib_dir
 
 
 def test_sfi_ops_match_their_definition_on_every_backend():

@@ -5,8 +5,8 @@ import json
 
 import pytest
 
-from sfi_gguf import tool_calls
-from sfi_gguf.tool_formats import Hermes, Llama3, Mistral, for_template, value_end
+from sfi_gguf.serve import tool_calls
+from sfi_gguf.serve.tool_formats import Hermes, Llama3, Mistral, for_template, value_end
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -8,7 +8,7 @@ import jsonschema
 import pytest
 
 from sfi_gguf import SFILlama
-from sfi_gguf.config import SFIConfig
+from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.tools.texts import natural_text
 from serving import running_server
 

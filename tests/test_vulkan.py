@@ -13,9 +13,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sfi_gguf import devices
-from sfi_gguf.config import SFIConfig
-from sfi_gguf.llama import SFILlama
+from sfi_gguf.core import devices
+from sfi_gguf.core.config import SFIConfig
+from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 from placement import PlacedModel, all_cells_equal_dense, buffer_names, llama_log
 from native_harness import GGML_TYPE_F16, GGML_TYPE_Q8_0

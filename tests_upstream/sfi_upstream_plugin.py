@@ -157,7 +157,7 @@ def _hf_hub_download(repo_id: str, filename: str, *args, **kwargs) -> str:
 def _install_dropin() -> dict:
     import llama_cpp
     import sfi_gguf
-    from sfi_gguf.config import SFIConfig
+    from sfi_gguf.core.config import SFIConfig
 
     overrides = json.loads(os.environ.get("SFI_UPSTREAM_SFI") or "{}")
     default_sfi = SFIConfig(**overrides) if overrides else True

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..config import SFIConfig
+from ..core.config import SFIConfig
 
 
 @dataclass

@@ -26,8 +26,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..config import SFIConfig
-from ..policy import TriggerPolicy
+from ..core.config import SFIConfig
+from ..core.policy import TriggerPolicy
 from .provenance import git_commit
 
 DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
@@ -191,7 +191,7 @@ def bench_sampler(sampling: str, n_vocab: int):
     """The picks each step makes (and waits for) in a bench run, as a generation's would: "greedy" the greedy pick,
     "default" sampling with SamplingParams' defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05), both in
     the decode's graph where the device runs them; "host" that sampling on the host, over the copied logits."""
-    from ..sampling import Sampler, SamplingParams
+    from ..core.sampling import Sampler, SamplingParams
 
     if sampling not in SAMPLINGS:
         raise ValueError(f"sampling must be one of {', '.join(SAMPLINGS)}, got {sampling!r}")
@@ -236,9 +236,9 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
           type_kv: str = "f16", rpc_servers=None):
     """The model of a bench run (n_ctx for the deepest depth), the config, the depths ascending, and
     `shared`: the row fields every depth has in common but the git commit and the hardware."""
-    from ..context import default_threads
-    from ..devices import gpu_count
-    from ..llama import SFILlama
+    from ..core.context import default_threads
+    from ..core.devices import gpu_count
+    from ..sfi_llama import SFILlama
 
     config = config or SFIConfig()
     depths = sorted(int(d) for d in depths)
@@ -465,14 +465,14 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
                       stagger: int = 0, sampling: str = "greedy", type_kv: str = "f16",
                       log: Callable[[str], None] = print) -> list[BenchRow]:
-    """`run_bench` for `batch` sequences decoding together (`sfi_gguf.batched`): each sequence holds its
+    """`run_bench` for `batch` sequences decoding together (`sfi_gguf.core.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps).
 
     stagger: sequence i starts i x stagger steps after the first, and only the steps in which all of them
     decode are timed, so that their refreshes fall on different steps, as a server's requests do (started
     together, each one's refreshes come a fixed number of steps after its last on random weights, and so
     stay in step)."""
-    from ..batched import Request
+    from ..core.batched import Request
 
     check_stagger(stagger, batch, n_decode)
 
@@ -641,7 +641,7 @@ def _field_value(current, value: str):
 
 def build_parser() -> argparse.ArgumentParser:
     from ..cli import add_sfi_args
-    from ..policy import POLICIES, MemoryMode
+    from ..core.policy import POLICIES, MemoryMode
     from .random_model import SHAPES, WEIGHT_TYPES
 
     p = argparse.ArgumentParser(

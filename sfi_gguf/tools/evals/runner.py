@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..._progress import Progress
-from ...config import K_HEAD_GRANULE, SFIConfig
+from ...core.progress import Progress
+from ...core.config import K_HEAD_GRANULE, SFIConfig
 from ..provenance import git_commit
 from . import answer_agreement, common, cot, long_tasks, longgen, needle, variables
 from .case_cache import CaseCache
@@ -231,7 +231,7 @@ def run_suite(suite: str | Suite = "quick", out: str | os.PathLike | None = None
     k_head values. `case_cache`: the long tasks' cases keep their prompt state and dense's answer
     (`sfi_gguf.tools.evals.case_cache`) in its default folder (True), in this folder (a path), or nowhere (False).
     """
-    from ...llama import SFILlama
+    from ...sfi_llama import SFILlama
 
     name = suite if isinstance(suite, str) else "custom"
     suite = SUITES[suite] if isinstance(suite, str) else suite

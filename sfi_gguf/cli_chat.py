@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from typing import TextIO
 
-from .sampling import SamplingParams
-from .sfi import format_sfi_stats
+from .core.sampling import SamplingParams
+from .core.stepper import format_sfi_stats
 
 HELP = "commands: /reset forgets the conversation, /quit (or end of input) leaves, /help shows this"
 

@@ -24,7 +24,7 @@ SFIConfig fields, True for the defaults, False for plain llama-cpp-python decodi
 `sfi_config` between calls. `last_sfi_stats` holds the `SFIStats` of the current or last generation.
 `create_chat_completion` adds, with the GGUF's own chat template (the default chat format), what
 llama-cpp-python's template handler leaves out: the model's calls read into `tool_calls` (`tool_choice`
-"auto" and "required", `parallel_tool_calls`, the legacy `functions`; see `sfi_gguf.tool_calls`), and
+"auto" and "required", `parallel_tool_calls`, the legacy `functions`; see `sfi_gguf.serve.tool_calls`), and
 `response_format` in the OpenAI `json_schema` form (llama-cpp-python reads only `json_object` with a
 "schema"). A chat handler or format chosen by the caller keeps its own tool handling.
 
@@ -42,13 +42,13 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ._native import llama_cpp
-from .config import SFIConfig
-from .context import BorrowedContext, ContextError
-from .devices import check_offload
-from .engine import SFIEngine, check_fits, check_split, sfi_config
+from .core.library import llama_cpp
+from .core.config import SFIConfig
+from .core.context import BorrowedContext, ContextError
+from .core.devices import check_offload
+from .core.engine import SFIEngine, check_fits, check_split, sfi_config
 from .models import KNOWN_MODELS, resolve_model_path
-from . import tool_calls
+from .serve import tool_calls
 
 _SPLIT_MODES = {llama_cpp.LLAMA_SPLIT_MODE_NONE: "none", llama_cpp.LLAMA_SPLIT_MODE_LAYER: "layer",
                 llama_cpp.LLAMA_SPLIT_MODE_ROW: "row"}

@@ -14,7 +14,7 @@ import ctypes
 import logging
 import sys
 
-from ._native import lib, llama_cpp
+from .library import lib, llama_cpp
 
 # enum ggml_log_level; NONE is llama.cpp's plain LLAMA_LOG / GGML_LOG output (performance reports ...)
 GGML_LOG_LEVELS = {0: logging.INFO, 1: logging.DEBUG, 2: logging.INFO, 3: logging.WARNING, 4: logging.ERROR}

@@ -14,7 +14,7 @@ import queue
 import threading
 from typing import Iterator
 
-from .context import ContextError
+from ..core.context import ContextError
 
 _DONE = object()  # end of a request's piece stream
 

@@ -21,7 +21,7 @@ import numpy as np
 
 from .config import SFIConfig
 from .context import LlamaContext
-from .native import DeviceSelection, SFINative
+from .bindings import DeviceSelection, SFINative
 from .policy import MemoryMode, TriggerPolicy
 from .selector import AttentionExport, CandidateRange, Selector
 
@@ -180,7 +180,7 @@ class SFIStepper:
     def plan(self, token: int) -> str:
         """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), mode set.
 
-        Split from `finish` so that a batched loop (`sfi_gguf.batched`) can decode the tokens of many
+        Split from `finish` so that a batched loop (`sfi_gguf.core.batched`) can decode the tokens of many
         sequences, grouped by kind, between the two.
         """
         self._n_step += 1

@@ -25,7 +25,7 @@ import uuid
 from typing import Any, Iterator
 
 from . import tool_calls
-from .sampling import SamplingParams, is_int
+from ..core.sampling import SamplingParams, is_int
 
 # llama-cpp-python arguments we do not implement, with the value that means "not used"
 _NOT_USED = {"tfs_z": 1.0}
@@ -226,7 +226,7 @@ def _head(kind: str, model, llm) -> dict:
 def _infill_tokens(llm, prefix: str, suffix: str) -> list[int]:
     """Fill in the middle: BOS (if the vocabulary adds one), FIM-prefix, the prefix, FIM-suffix, the suffix, FIM-middle;
     the order of llama.cpp's infill for models trained prefix-suffix-middle (Qwen2.5-Coder, CodeLlama, StarCoder)."""
-    from ._native import llama_cpp
+    from ..core.library import llama_cpp
 
     vocab = llm.context.vocab
     pre, suf, mid = (llama_cpp.llama_vocab_fim_pre(vocab), llama_cpp.llama_vocab_fim_suf(vocab),

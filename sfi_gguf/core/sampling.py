@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from ._native import llama_cpp
+from .library import llama_cpp
 from .device_picks import DeviceChain, add_filters
 
 if TYPE_CHECKING:

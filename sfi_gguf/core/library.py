@@ -29,13 +29,13 @@ def _lib_file_name() -> str:
 
 
 def find_lib_dir() -> Path:
-    """Directory holding our libllama: next to this file, else where pip installed sfi-gguf.
+    """Directory holding our libllama: sfi_gguf/lib (next to the package), else where pip installed sfi-gguf.
 
     The second case covers running from a source checkout (tests, examples) after `scripts/setup.sh`.
     """
     override = os.environ.get("SFI_GGUF_LIB_DIR")
     candidates = [Path(override)] if override else []
-    candidates.append(Path(__file__).resolve().parent / "lib")
+    candidates.append(Path(__file__).resolve().parents[1] / "lib")
     try:
         for f in importlib.metadata.files("sfi-gguf") or []:
             if f.name == _lib_file_name() and f.parent.name == "lib":

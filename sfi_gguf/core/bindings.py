@@ -1,6 +1,6 @@
 """ctypes bindings of the `llama_sfi_*` C API (compact-view fast steps, attention-mass export).
 
-The functions live in the same libllama (sfi-gguf's build) that llama-cpp-python loaded (`_native.lib`), so they
+The functions live in the same libllama (sfi-gguf's build) that llama-cpp-python loaded (`library.lib`), so they
 act on the contexts created through `llama_cpp`. See native/include/llama-sfi.h for the
 C-level documentation; this module adds numpy conversions and raises `SFIError` on error codes.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._native import lib, llama_cpp
+from .library import lib, llama_cpp
 
 MODE_DENSE = 0
 MODE_SLOW = 1

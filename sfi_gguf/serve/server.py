@@ -2,7 +2,7 @@
 
 A model with one sequence runs requests one at a time (an async lock, so waiting requests hold no
 thread); a model created with n_parallel sequences (`serve --parallel N`) decodes up to N requests
-together in one batch (`sfi_gguf.slots`), each with its own SFI state. Generation runs in worker
+together in one batch (`sfi_gguf.serve.slots`), each with its own SFI state. Generation runs in worker
 threads; the event loop only reads requests, watches for clients that go away and writes responses.
 uvicorn parses HTTP (chunked bodies, framing errors, disconnect events), which `http.server` would
 leave to hand-written code; llama-cpp-python's own server uses the same stack, but it is built around
@@ -39,7 +39,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from . import messages_api, openai_api, responses_api
-from .sampling import is_int
+from ..core.sampling import is_int
 
 # request fields that only exist for Python callers of llama-cpp-python
 _PYTHON_ONLY = {"stopping_criteria", "logits_processor"}

@@ -18,7 +18,7 @@ from __future__ import annotations
 import ctypes
 from dataclasses import dataclass
 
-from ._native import lib, llama_cpp
+from .library import lib, llama_cpp
 
 _init_greedy = lib.llama_sfi_sampler_init_greedy
 _init_greedy.argtypes = []

@@ -8,16 +8,16 @@ import warnings
 from dataclasses import replace
 from typing import Iterator, Sequence, Union
 
-from . import openai_api
-from ._native import llama_cpp
-from .config import SFIConfig
-from .context import ContextError, LlamaContext, default_threads
-from .devices import check_offload
-from .engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_fits as _check_fits,  # noqa: F401
+from .serve import openai_api
+from .core.library import llama_cpp
+from .core.config import SFIConfig
+from .core.context import ContextError, LlamaContext, default_threads
+from .core.devices import check_offload
+from .core.engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, check_fits as _check_fits,  # noqa: F401
                      check_split as _check_split, sfi_config as _sfi_config)
-from .generate import Completion, GenerationStats, run_generation
+from .core.generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
-from .sampling import Sampler, SamplingParams, is_int
+from .core.sampling import Sampler, SamplingParams, is_int
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
@@ -387,7 +387,7 @@ class SFILlama:
                       sampling: SamplingParams | None = None):
         """A `batched.Request` for `batched_decoder()`, checked like a `generate` call (`cancel`, `grammar`,
         `keep_special`, `logits_processor`, `stopping_criteria`, `sampling`: as there)."""
-        from .batched import Request
+        from .core.batched import Request
 
         _check_int("max_tokens", max_tokens, 0)
         _check_flags(ignore_eos=ignore_eos)
@@ -407,14 +407,14 @@ class SFILlama:
     @_serialised
     def batched_decoder(self):
         """The `BatchedDecoder` over this model's n_parallel sequences (created on first use)."""
-        from .batched import BatchedDecoder
+        from .core.batched import BatchedDecoder
 
         if self._batched is None:
             self._batched = BatchedDecoder(self._ctx, lambda ctx, config: self._stepper(config, ctx, batched=True),
                                            lambda: self._sfi_native)
         return self._batched
 
-    # -- llama-cpp-python's API (sfi_gguf/openai_api.py) -------------------------------------------
+    # -- llama-cpp-python's API (sfi_gguf/serve/openai_api.py) -------------------------------------------
     @_serialised
     def create_completion(self, prompt: Union[str, Sequence[int]], *args, **kwargs):
         """`llama_cpp.Llama.create_completion`: same arguments and dicts, plus `sfi=` and "sfi_stats"."""

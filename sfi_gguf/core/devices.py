@@ -16,7 +16,7 @@ import socket
 import warnings
 from typing import Sequence
 
-from ._native import LIB_PATH, _lib_file_name
+from .library import LIB_PATH, _lib_file_name
 
 # enum ggml_backend_dev_type (ggml-backend.h)
 DEVICE_CPU, DEVICE_GPU, DEVICE_IGPU, DEVICE_ACCEL, DEVICE_META = range(5)
@@ -86,7 +86,7 @@ def check_offload(n_gpu_layers: int, main_gpu: int = 0, tensor_split=None, rpc_s
 
 def summary() -> dict:
     """The backends and devices of this build, for `sfi-gguf info`."""
-    from ._native import llama_cpp
+    from .library import llama_cpp
 
     return {"backends": backends(), "devices": [f"{d['name']} ({d['backend']}): {d['description']}" for d in devices()],
             "gpu_offload": bool(llama_cpp.llama_supports_gpu_offload())}

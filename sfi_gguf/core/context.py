@@ -13,8 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
-from ._native import llama_cpp
-from ._progress import Progress
+from .library import llama_cpp
+from .progress import Progress
 from .device_picks import GREEDY, DeviceChain, DevicePicks
 from .policy import top1_probability
 
@@ -68,7 +68,7 @@ class LlamaContext:
     Callers that change the cache go through `truncate` so this list never lies.
 
     With n_seq_max > 1 the context holds that many sequences of n_ctx cells each, one KV stream per
-    sequence (batched SFI, `sfi_gguf.batched`); `sequence(s)` gives the handle of sequence s.
+    sequence (batched SFI, `sfi_gguf.core.batched`); `sequence(s)` gives the handle of sequence s.
     """
 
     KV_TYPES = {"f16": 1, "q8_0": 8, "q4_0": 2, "bf16": 30, "f32": 0}
@@ -166,7 +166,7 @@ class LlamaContext:
         split_mode "layer" (default): whole layers (and their KV cache) spread over the devices in the
         proportions of tensor_split (default: by free memory); "row": matrices split by rows across the
         GPUs; "none": everything on device main_gpu. rpc_servers ("host:port" of llama.cpp rpc-server
-        processes, a list or comma-separated) puts their devices first in the list (sfi_gguf.devices).
+        processes, a list or comma-separated) puts their devices first in the list (sfi_gguf.core.devices).
         """
         if split_mode not in self.SPLIT_MODES:
             raise ValueError(f"split_mode must be one of {', '.join(self.SPLIT_MODES)}, got {split_mode!r}")

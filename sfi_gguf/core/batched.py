@@ -22,10 +22,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ._native import llama_cpp
+from .library import llama_cpp
 from .context import ContextError, LlamaContext, decode_one_per_sequence
 from .generate import Completion, Ending, GenerationStats, picks_in_graph, start_generation
-from .native import SFINative
+from .bindings import SFINative
 from .sampling import Sampler
 
 # the kinds of step; a decode's time counts for the first kind in this order among its sequences'

@@ -98,7 +98,7 @@ class SFIEngine:
 
         ctx: the sequence to step (default: the first); batched generation passes each slot's.
         """
-        from .native import SFINative, SFISequence
+        from .bindings import SFINative, SFISequence
 
         ctx = ctx or self.ctx
         if config.dense:
@@ -112,7 +112,7 @@ class SFIEngine:
         from .boundary import PieceTable
         from .policy import POLICIES, make_policy
         from .selector import make_selector
-        from .sfi import SFIStepper
+        from .stepper import SFIStepper
 
         # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
         # buffers (allocated for the capacity) bounded, and the values inside int32
