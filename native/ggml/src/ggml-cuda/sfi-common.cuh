@@ -22,11 +22,11 @@ template <> __device__ __forceinline__ float sfi_to_float<float>(float x) { retu
 // dequantized as they are loaded, as ggml-cuda's flash attention reads them. With quantized keys the query rows are
 // quantized to Q8_0 first (the keys' vec_dot type: the CPU's products and flash attention's take them so), and a
 // score is the sum over the blocks of d_k*d_q*(the integer dot product of the block).
-static constexpr bool sfi_quantized(ggml_type t) {
+static constexpr __host__ __device__ bool sfi_quantized(ggml_type t) {
     return t == GGML_TYPE_Q8_0 || t == GGML_TYPE_Q4_0;
 }
 
-static constexpr bool sfi_kv_type_supported(ggml_type t) {
+static constexpr __host__ __device__ bool sfi_kv_type_supported(ggml_type t) {
     return t == GGML_TYPE_F16 || sfi_quantized(t);
 }
 
