@@ -94,7 +94,7 @@ def main() -> None:
         _, prompt = long_tasks.case_and_prompt(llm, answer_agreement.TASK, context, index)
     else:
         prompt = llm.tokenize(natural_text(args.prompt_tokens * 6, seed=args.seed))[:args.prompt_tokens]
-    llm._stepper()  # creates the native SFI state with room for the largest budget
+    llm.stepper()  # creates the native SFI state with room for the largest budget
     native: SFINative = llm._sfi_native
     group = ctx.n_head // native.n_head_kv
     selectors = {v: make_selector(SFIConfig(selector=VARIANTS[v][0], **VARIANTS[v][3])) for v in args.variants}

@@ -73,7 +73,7 @@ def main() -> int:
             t0 = time.perf_counter()
             forced = text[depth:depth + args.n_decode]
             ctx.truncate(0)
-            dense = llm._stepper(SFIConfig(policy="dense"))
+            dense = llm.stepper(SFIConfig(policy="dense"))
             dense.prefill(text[max(0, depth - args.context):depth])
             top1 = []
             for token in forced:

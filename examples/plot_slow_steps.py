@@ -25,8 +25,7 @@ except ImportError:
 matplotlib.use("Agg")  # write a file, no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-from sfi_gguf import SFILlama  # noqa: E402
-from sfi_gguf.core.config import SFIConfig  # noqa: E402
+from sfi_gguf import SFIConfig, SFILlama  # noqa: E402
 from sfi_gguf.tools.texts import natural_text  # noqa: E402
 
 llm = SFILlama(args.model, n_ctx=4096, n_threads=args.threads, progress=True, sfi=SFIConfig(k_head=args.k_head))

@@ -18,6 +18,7 @@ from .core.engine import (GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIEngine, c
 from .core.generate import Completion, GenerationStats, run_generation
 from .models import resolve_model_path
 from .core.sampling import Sampler, SamplingParams, is_int
+from .core.stepper import Stepper
 
 Message = dict  # {"role": ..., "content": ...}
 Prompt = Union[str, Sequence[Message], Sequence[int]]
@@ -254,12 +255,12 @@ class SFILlama:
     # -- generation -----------------------------------------------------------------------------
     @property
     def _sfi_native(self):
-        """The native SFI state (`native.SFINative`), once a stepper created it."""
+        """The native SFI state (`bindings.SFINative`), once a stepper created it."""
         return self._engine.native
 
     @_serialised
     def memory(self):
-        """Where the KV cache and SFI's compact view live: a `native.Memory` (bytes of each in device and host
+        """Where the KV cache and SFI's compact view live: a `bindings.Memory` (bytes of each in device and host
         memory; with kv_on_host, the cache in host memory and only the view on the GPU), or None before the
         first SFI generation (which allocates the view)."""
         native = self._engine.native
@@ -270,12 +271,15 @@ class SFILlama:
         """`config` with the defaults that depend on where the model runs filled in."""
         return self._engine.effective_config(config, batched)
 
-    def _stepper(self, config: SFIConfig | None = None, ctx: LlamaContext | None = None, batched: bool = False):
-        """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
+    @_serialised
+    def stepper(self, config: SFIConfig | None = None) -> Stepper:
+        """A stepper for the model's context, for driving decode steps yourself (benchmarks, agreement checks):
+        dense for a dense config, else SFI with a fresh policy (the native view and vocabulary are kept).
 
-        ctx: the sequence to step (default: the first); batched generation passes each slot's.
+        config: default the model's `sfi_config`. The stepper decodes into `self.context`: `prefill(tokens)`,
+        then `step(token)` per token; `generate` does the same with sampling around it.
         """
-        return self._engine.stepper(config or self.sfi_config, ctx, batched)
+        return self._engine.stepper(config or self.sfi_config)
 
     @_serialised
     def generate(self, prompt: Prompt, max_tokens: int = 256, temperature: float = 0.8, top_p: float = 0.95,
@@ -328,7 +332,7 @@ class SFILlama:
         _check_callable("stopping_criteria", stopping_criteria)
         sampler = Sampler(params, self._ctx.n_vocab, logprobs=logprobs, grammar=openai_api.grammar_text(grammar),
                           vocab=self._ctx.vocab, logits_processor=logits_processor)
-        stepper = self._stepper(config)
+        stepper = self._engine.stepper(config or self.sfi_config)
         pieces = run_generation(self._ctx, tokens, sampler, stepper, max_tokens, stop_list, stats,
                                 out_tokens, progress=self.progress and len(tokens) >= PROGRESS_MIN_TOKENS,
                                 ignore_eos=ignore_eos, cancel=cancel, keep_special=_token_set(keep_special),
@@ -410,8 +414,10 @@ class SFILlama:
         from .core.batched import BatchedDecoder
 
         if self._batched is None:
-            self._batched = BatchedDecoder(self._ctx, lambda ctx, config: self._stepper(config, ctx, batched=True),
-                                           lambda: self._sfi_native)
+            def slot_stepper(ctx: LlamaContext, config: SFIConfig | None) -> Stepper:
+                return self._engine.stepper(config or self.sfi_config, ctx, batched=True)
+
+            self._batched = BatchedDecoder(self._ctx, slot_stepper, lambda: self._sfi_native)
         return self._batched
 
     # -- llama-cpp-python's API (sfi_gguf/serve/openai_api.py) -------------------------------------------

@@ -48,6 +48,18 @@ def test_llama_cpp_imported_after_us_uses_our_library(tmp_path):
     assert result.stdout.strip() == "ok"
 
 
+def test_the_public_names():
+    from sfi_gguf import PunctuationParams, SamplingParams, SFIConfig, SFISelectorParams, TopKMassParams
+    from sfi_gguf.core import config, sampling
+
+    assert all(hasattr(sfi_gguf, name) for name in sfi_gguf.__all__)
+    assert SFIConfig is config.SFIConfig and SamplingParams is sampling.SamplingParams
+    config = SFIConfig(policy_params=PunctuationParams(refresh_interval=64), selector="topk_mass")
+    assert config == SFIConfig(refresh_interval=64, selector="topk_mass")
+    assert isinstance(config.selector_params, TopKMassParams) and not isinstance(config.selector_params,
+                                                                                SFISelectorParams)
+
+
 def import_graph(root: Path) -> dict[str, set[str]]:
     """Module -> the package's modules it imports anywhere in its source (in functions too); packages'
     `__init__` left out (every submodule import runs it)."""

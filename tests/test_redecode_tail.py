@@ -68,7 +68,7 @@ def _forced_slow_steps(llm, prompt, ref, two_decodes: bool):
     selection (cells sorted per row) and the query rows its export summed. two_decodes: the slow step in the form
     the one-ubatch step replaces, the tail decoded densely, then the token alone."""
     config = SFIConfig(k_head=16, n_recent=16, min_context=0, policy="fixed", fixed_period=8, redecode_tail=True)
-    stepper = llm._stepper(config)
+    stepper = llm.stepper(config)
     refreshes = []
     use_selection = stepper._use_selection
 

@@ -177,7 +177,7 @@ def test_rpc_kv_on_host_decodes_as_kv_on_device(servers):
     for kv_on_host in (True, False):
         with SFILlama(four_layers(), n_ctx=1024, n_threads=1, n_gpu_layers=99, rpc_servers=servers[:1],
                       n_batch=512, sfi=config, kv_on_host=kv_on_host) as llm:
-            stepper = llm._stepper(config)
+            stepper = llm.stepper(config)
             stepper.prefill(prompt)
             logits = []
             for token in forced:

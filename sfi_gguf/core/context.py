@@ -1,7 +1,7 @@
 """One llama.cpp model + context, through llama-cpp-python's low-level bindings.
 
 This is the only module that talks to llama.cpp's generic C API (the `llama_sfi_*` functions live in
-`native.py`). It keeps one reusable batch so a decode step costs a few ctypes stores, not an allocation.
+`bindings.py`). It keeps one reusable batch so a decode step costs a few ctypes stores, not an allocation.
 """
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class Completion:
 
 
 class DenseStepper:
-    """Every step attends to the whole cache (plain llama.cpp decoding).
+    """Every step attends to the whole cache (plain llama.cpp decoding): a `stepper.Stepper`.
 
     last_chunk: the prompt's last tokens decoded on their own (`LlamaContext.prefill`), as the SFI stepper
     decodes its bootstrap rows (SFIConfig.n_prefill_queries, 16 by default): a prompt splits the same way

@@ -1,7 +1,8 @@
-"""Slow-Fast Inference stepping: which decode steps are slow, fast or dense, and the refreshes.
+"""Steppers: how each decode step attends. `Stepper` is their interface; `SFIStepper` decides which steps are
+slow, fast or dense, and the refreshes.
 
 `SFIStepper` plugs into the generation loop (`generate.run_generation`) in place of the dense
-stepper. It owns the native compact view (`native.SFINative`), the trigger policy and the Selector:
+stepper. It owns the native compact view (`bindings.SFINative`), the trigger policy and the Selector:
 
     prefill (dense) -> bootstrap slow step over the last prompt rows -> Selector -> selection
     -> fast steps (compact view: selection + tail) -> slow step when the policy fires -> ...
@@ -16,14 +17,45 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
+from .bindings import DeviceSelection, SFINative
 from .config import SFIConfig
 from .context import LlamaContext
-from .bindings import DeviceSelection, SFINative
+from .generate import GenerationStats
 from .policy import MemoryMode, TriggerPolicy
 from .selector import AttentionExport, CandidateRange, Selector
+
+
+@runtime_checkable
+class Stepper(Protocol):
+    """How the decode steps of one sequence attend: the interface the token loop (`generate.run_generation`, the
+    batched loop) drives, and the benchmark tools with it.
+
+    `generate.DenseStepper` (every step reads the whole cache) and `SFIStepper` (slow, fast and dense steps)
+    implement it. `SFILlama.stepper(config)` gives one for a model's context.
+    """
+
+    ctx: LlamaContext  # the sequence it decodes into
+    mode: str          # "dense" or "sfi", as GenerationStats.mode reports it
+
+    def prefill(self, tokens: Sequence[int], progress: bool = False) -> int:
+        """Bring the cache to exactly `tokens` (its cached prefix reused); the last token's logits are ready to
+        sample. Returns how many tokens were decoded."""
+
+    def step(self, token: int) -> None:
+        """Decode `token` after the cache's tokens: `plan`, the decode, `finish`, for a loop of one sequence."""
+
+    def plan(self, token: int) -> str:
+        """Everything before decoding `token`: the kind of step ("dense", "slow" or "fast"), its mode set."""
+
+    def finish(self, kind: str, seconds: float) -> None:
+        """Everything after the decode of a step of `kind` that took `seconds`."""
+
+    def annotate(self, stats: GenerationStats) -> None:
+        """Put the stepper's own statistics into a generation's, at its end (SFIStepper: `stats.sfi`)."""
 
 
 @dataclass

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..core.config import SFIConfig
+from ..core.stepper import Stepper
 
 
 @dataclass
@@ -45,7 +46,7 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - (m + np.log(np.exp(x - m).sum()))
 
 
-def _forced_run(stepper, ctx, prompt: list[int], forced: list[int] | None, n_steps: int, visit) -> list[int]:
+def _forced_run(stepper: Stepper, ctx, prompt: list[int], forced: list[int] | None, n_steps: int, visit) -> list[int]:
     """Prefill, then n_steps steps; `visit(i, logits)` sees the distribution before token i."""
     stepper.prefill(prompt)
     tokens = []
@@ -108,7 +109,7 @@ def dense_reference(llm, prompt_tokens: list[int], n_steps: int, top_n: int = 64
         best = np.argpartition(lp, -top_n)[-top_n:]
         top[i], logp[i], argmax[i] = best, lp[best], int(np.argmax(logits))
 
-    tokens = _forced_run(llm._stepper(SFIConfig(policy="dense")), ctx, prompt_tokens, forced, n_steps, keep)
+    tokens = _forced_run(llm.stepper(SFIConfig(policy="dense")), ctx, prompt_tokens, forced, n_steps, keep)
     return DenseReference(tokens=tokens, top=top, logp=logp, argmax=argmax)
 
 
@@ -124,7 +125,7 @@ def agreement_with(llm, prompt_tokens: list[int], ref: DenseReference, config: S
         top1[i] = argmax[i] == ref.argmax[i]
         kl[i] = kl_to_reference(ref, i, logits)
 
-    stepper = llm._stepper(config)
+    stepper = llm.stepper(config)
     _forced_run(stepper, llm.context, prompt_tokens, ref.tokens, n_steps, compare)
     return Agreement(n_steps=n_steps, top1=top1, kl=kl, tokens=ref.tokens, sfi_stats=getattr(stepper, "stats", None),
                      argmax=argmax)

@@ -28,6 +28,7 @@ import numpy as np
 
 from ..core.config import SFIConfig
 from ..core.policy import TriggerPolicy
+from ..core.stepper import Stepper
 from .provenance import git_commit
 
 DEFAULT_DEPTHS = (8192, 32768, 65536, 131072)
@@ -201,7 +202,7 @@ def bench_sampler(sampling: str, n_vocab: int):
     return sampler
 
 
-def decode_forced(llm, stepper, prompt: Sequence[int], forced: Sequence[int], sampling: str = "greedy") -> float:
+def decode_forced(llm, stepper: Stepper, prompt: Sequence[int], forced: Sequence[int], sampling: str = "greedy") -> float:
     """Prefill (reusing the cached prefix), then one step per forced token, each after the pick a real decode
     makes (`bench_sampler`); seconds of decoding.
 
@@ -264,7 +265,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
 
 def _sfi_fields(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling: str, replayed: dict) -> dict:
     """One SFI run at `depth` on the cached context: its row's SFI fields."""
-    stepper = llm._stepper(config)
+    stepper = llm.stepper(config)
     if replayed and hasattr(stepper, "policy"):
         stepper.policy = ReplayedConfidence(stepper.policy, replayed[depth])
     seconds = decode_forced(llm, stepper, text[:depth], text[depth:depth + n_decode], sampling)
@@ -310,7 +311,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
 
         def dense_at(depth: int, pick: str) -> float:
             ctx.truncate(min(len(ctx.tokens), depth))
-            dense = llm._stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
+            dense = llm.stepper(SFIConfig(policy="dense"))  # also puts the native view back to dense mode
             seconds = decode_forced(llm, dense, text[:depth], text[depth:depth + n_decode], pick)
             ctx.truncate(depth)
             return n_decode / seconds
@@ -344,7 +345,7 @@ def run_bench(model: str | Path, *, model_shape: str = "", weight_type: str = ""
 
 def _prefill(llm, prompt) -> float:
     """Seconds to extend the cache to `prompt` (dense, reusing the cached prefix)."""
-    stepper = llm._stepper(SFIConfig(policy="dense"))
+    stepper = llm.stepper(SFIConfig(policy="dense"))
     t0 = time.perf_counter()
     stepper.prefill(list(prompt))
     return time.perf_counter() - t0
@@ -375,10 +376,10 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
             ctx.truncate(min(len(ctx.tokens), depth))
             prefill_s = _prefill(llm, prompt)
             llm._engine.close()  # no SFI state: dense decoding places the attention as llama.cpp does
-            dense_s = decode_forced(llm, llm._stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
+            dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
             ctx.truncate(depth)
             log(f"depth {depth}: prefilled in {prefill_s:.1f} s, dense with host KV {n_decode / dense_s:.1f} tok/s")
-            stepper = llm._stepper(config)
+            stepper = llm.stepper(config)
             sfi_s = decode_forced(llm, stepper, prompt, forced, sampling)
             ctx.truncate(depth)
             memory = llm.memory()
@@ -407,14 +408,14 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
         return rows
     try:
         budget_depth = _budget(config, depths[-1])
-        ceiling_s = decode_forced(vram, vram._stepper(SFIConfig(policy="dense")), text[:budget_depth],
+        ceiling_s = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), text[:budget_depth],
                                   text[budget_depth:budget_depth + n_decode], sampling)
         vram.context.truncate(0)
         for row in rows:
             prompt, forced = text[:row.depth], text[row.depth:row.depth + n_decode]
             vram.context.truncate(min(len(vram.context.tokens), row.depth))
             row.prefill_vram_s = _prefill(vram, prompt)
-            seconds = decode_forced(vram, vram._stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
+            seconds = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
             vram.context.truncate(row.depth)
             row.dense_vram_tok_s = n_decode / seconds
             row.ceiling_tok_s = n_decode / ceiling_s
