@@ -94,13 +94,40 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
-def test_no_import_circles_and_only_the_tooling_imports_the_tooling():
+# What each layer of the package may import: the library (core) nothing above it; serving (serve) the library; the
+# public API at the top (SFILlama, Llama, the CLI, models) both; the benchmark and evaluation tooling anything.
+MAY_IMPORT = {"core": {"core"}, "serve": {"core", "serve"}, "top": {"core", "serve", "top"},
+              "tools": {"core", "serve", "top", "tools"}}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in MAY_IMPORT else "top"
+
+
+def test_no_import_circles_and_each_layer_imports_only_below_it():
     graph = import_graph(REPO / "sfi_gguf")
-    assert "sfi_gguf.core.config" in graph["sfi_gguf.core.stepper"]
+    assert "sfi_gguf.core.config" in graph["sfi_gguf.core.stepper"]  # the graph sees relative imports
+    assert "sfi_gguf.core.context" in graph["sfi_gguf.serve.slots"]
+    assert "sfi_gguf.serve.openai_api" in graph["sfi_gguf.sfi_llama"]
     assert "sfi_gguf.tools.texts" in graph["sfi_gguf.tools.bench"]
     assert [m for m in graph if m in reachable(graph, m)] == []
-    library = [m for m in graph if not m.startswith("sfi_gguf.tools")]
-    assert [(m, t) for m in library for t in graph[m] if t.startswith("sfi_gguf.tools")] == []
+    assert {layer(m) for m in graph} == set(MAY_IMPORT)
+    assert [(m, t) for m in graph for t in graph[m] if layer(t) not in MAY_IMPORT[layer(m)]] == []
+
+
+def test_the_layer_rule_catches_a_wrong_import(tmp_path):
+    root = tmp_path / "sfi_gguf"
+    for package in ("", "core", "serve", "tools"):
+        (root / package).mkdir(exist_ok=True)
+        (root / package / "__init__.py").write_text("")
+    (root / "core" / "engine.py").write_text("from ..serve import slots\n")  # core reaching up into serve
+    (root / "serve" / "slots.py").write_text("from ..core.engine import x\nfrom ..tools import bench\n")
+    (root / "tools" / "bench.py").write_text("from .. import cli\n")
+    (root / "cli.py").write_text("")
+    graph = import_graph(root)
+    assert sorted((m, t) for m in graph for t in graph[m] if layer(t) not in MAY_IMPORT[layer(m)]) == [
+        ("sfi_gguf.core.engine", "sfi_gguf.serve.slots"), ("sfi_gguf.serve.slots", "sfi_gguf.tools.bench")]
 
 
 def test_the_library_and_the_cli_load_no_tooling():
