@@ -368,8 +368,8 @@ def main(argv=None) -> int:
                     help="layers on the library's GPU device (a Vulkan build: its device's own verdicts, in place)")
     ap.add_argument("--runs", nargs="*", help="only these runs (the dense one is always needed)")
     args = ap.parse_args(argv)
-    # the composite ops everywhere: read once by the library, at its first graph (so not set on import: a test
-    # process importing this module keeps its own setting)
+    # the composite ops everywhere: the library's default of llama_sfi_params.fused_ops, read once, at the first
+    # SFI context (so not set on import: a test process importing this module keeps its own setting)
     os.environ["LLAMA_SFI_FUSED"] = "0"
 
     sources = read_sources(args.tree)

@@ -6,6 +6,8 @@ import pytest
 
 from sfi_gguf.core.config import SFIConfig, parameter_owners
 from sfi_gguf.core.params import Params
+from sfi_gguf.core.plan import (CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, Budget, ExecOptions,
+                                NativeParams, resolve_plan)
 from sfi_gguf.core.policy import POLICIES, FixedParams, PolicyParams, PunctuationParams
 from sfi_gguf.core.selector import SELECTORS, SelectorParams, SFISelectorParams, TopKMassParams, make_selector
 
@@ -63,6 +65,7 @@ def test_short_contexts_stay_dense():
     ("w_pos", -0.1), ("pos_power", 0), ("nms_strength", -1), ("cross_head_alpha", -0.5),
     ("lambda_clip_single", 1.5), ("lambda_clip_multi", -0.1), ("cross_head_temperature", 0),
     ("sentence_offset", -1), ("warmup_refresh", -1), ("confidence_floor", 1.5), ("confidence_floor", -0.1),
+    ("fused_ops", 1), ("fa_evidence", "on"), ("keep_graphs", 0), ("device_selector", 1),
 ])
 def test_invalid_values_raise_naming_the_parameter(field, value):
     owner = "SFIConfig" if field in {f.name for f in dataclasses.fields(SFIConfig)} else r"\w+Params"
@@ -172,3 +175,43 @@ def test_every_registered_policy_and_selector_name_is_valid():
         assert SFIConfig(policy=name).policy == name
     for name in SELECTORS:
         assert SFIConfig(selector=name).selector == name
+
+
+def test_a_plan_resolves_the_config_once_into_immutable_parts():
+    """The plan holds the budget, the policy and Selector with their parameters, the execution options and the
+    native parameters; a switch left None takes the library's default (the environment's override included)."""
+    config = SFIConfig(k_head=128, n_recent=64, min_context=0, policy="fixed", fixed_period=8, device_selector=True,
+                       selection_delay=2, keep_graphs=False)
+    plan = resolve_plan(config, 4096, native_defaults={"fused_ops": False, "keep_graphs": True, "fa_evidence": 1})
+    assert plan.budget == Budget(n_sink=4, k_head=128, n_recent=64)
+    assert plan.policy is POLICIES["fixed"] and plan.policy_params == FixedParams(fixed_period=8)
+    assert plan.make_policy(None).period == 8 and plan.make_policy(None) is not plan.make_policy(None)
+    assert plan.selector is SELECTORS["sfi"] and plan.selector_params == SFISelectorParams()
+    assert plan.options == ExecOptions(min_context=0, device_selector=True, selection_delay=2)
+    tail = 256  # the fixed policy has no T_max: the floor
+    assert plan.native == NativeParams(n_sel_max=4 + 128 + 64 + 2 + tail + 1, n_tail_max=tail, n_query_rows=16,
+                                       evidence_alpha=0.5, fused_ops=False, keep_graphs=False, fa_evidence=1)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.options.selection_delay = 0
+    assert not plan.stays_dense(10) and plan.n_candidates_at(4096) == 512 and plan.n_candidates_at(1000) == 0
+    # the defaults of a plain config: the budget scaled to the context, the switches the library's
+    plan = resolve_plan(SFIConfig(fa_evidence=False), 8192, native_defaults={"fused_ops": True, "keep_graphs": True,
+                                                                              "fa_evidence": 1})
+    assert plan.budget.k_head_at(8192) == 2048 and plan.budget.k_head_at(2048) == 512
+    assert (plan.native.fused_ops, plan.native.keep_graphs, plan.native.fa_evidence) == (True, True, 0)
+    assert plan.stays_dense(CPU_MIN_CONTEXT - 1) and not plan.stays_dense(CPU_MIN_CONTEXT)  # the CPU's default
+    assert resolve_plan(SFIConfig(k_head=64), 8192).stays_dense(323)  # an explicit budget: sink + k_head + recent
+    assert not resolve_plan(SFIConfig(k_head=64), 8192).stays_dense(324)
+    # layers on a GPU: the Selector in the slow step's graph, SFI from a longer context (per sequence in a batch)
+    gpu = resolve_plan(SFIConfig(), 65536, offloaded=True)
+    assert gpu.options.device_selector and gpu.options.min_context == GPU_MIN_CONTEXT
+    assert resolve_plan(SFIConfig(), 65536, offloaded=True, batched=True).options.min_context == GPU_BATCHED_MIN_CONTEXT
+    assert not resolve_plan(SFIConfig(device_selector=False), 65536, offloaded=True).options.device_selector
+    # sink + recent only spends the selection's budget on the recent window; dense has no native state
+    assert resolve_plan(SFIConfig(policy="sink_recent", k_head=64), 4096).budget.recent_at(4096) == 256 + 64
+    assert resolve_plan(SFIConfig(policy="dense"), 4096).native is None
+
+
+def test_the_graph_switches_are_config_fields_in_its_overrides():
+    assert SFIConfig().overrides() == {}
+    assert SFIConfig(fused_ops=False, fa_evidence=True).overrides() == {"fused_ops": False, "fa_evidence": True}

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from sfi_gguf.core.library import llama_cpp
-from sfi_gguf.core.bindings import SFINative
+from sfi_gguf.core.bindings import SFINative, default_params
 from sfi_gguf.core.selector import (AttentionExport, CandidateRange, SFISelector, cross_head_exclusivity, local_pool,
                                mix_evidence_and_prior, position_log_prior, power_mean_evidence)
 from sfi_gguf.tools.random_model import random_model
@@ -48,9 +48,10 @@ def prefilled_pair(model, n_prompt, seed, capture=None, flash_attn=True, type_kv
     return pair, toks[n_prompt:]
 
 
-def device_selector_slow_step(ctx, token, n_cand, capture) -> SFINative:
-    """A slow step of ctx with the device Selector over n_cand candidates, the ops capture saw before it forgotten."""
-    sfi = SFINative(ctx.ctx)
+def device_selector_slow_step(ctx, token, n_cand, capture, **switches) -> SFINative:
+    """A slow step of ctx with the device Selector over n_cand candidates, the ops capture saw before it forgotten;
+    switches: the graph switches of llama_sfi_params (fused_ops, fa_evidence), the library's defaults if left out."""
+    sfi = SFINative(ctx.ctx, **switches)
     sfi.set_n_candidates(n_cand)
     sfi.set_selector(SFISelector().device_params(K_HEAD, N_SINK, N_RECENT))
     sfi.set_mode(sfi.SLOW)
@@ -300,19 +301,27 @@ def test_shared_cells_and_overlap(tiny):
         d.close()
 
 
+# the graph switches of llama_sfi_params, set per context: one process builds each context's graphs as it asks
+SWITCHES = [pytest.param({}, id="defaults"), pytest.param({"fa_evidence": 1}, id="fa_evidence"),
+            pytest.param({"fa_evidence": 0}, id="no_fa_evidence"), pytest.param({"fused_ops": False}, id="composite"),
+            pytest.param({"fa_evidence": 1, "fused_ops": False}, id="composite_fa_evidence")]
+
+
 @pytest.mark.skipif(NGL > 0, reason="reads the graph's nodes on the host through cb_eval")
-def test_the_attention_gives_the_evidence_where_asked(tiny):
-    """With LLAMA_SFI_FA_EVIDENCE=1 (the default on a GPU) every layer's attention in a slow step with the device
-    Selector is ggml_sfi_flash_attn_evidence, which also gives the Selector its evidence and key norms; by default on
-    the CPU it is llama.cpp's flash attention, and the evidence comes from ggml_sfi_evidence (or composite ops,
-    LLAMA_SFI_FUSED=0)."""
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_the_attention_gives_the_evidence_where_asked(tiny, switches):
+    """With fa_evidence 1 (LLAMA_SFI_FA_EVIDENCE=1; by default on a GPU) every layer's attention in a slow step with
+    the device Selector is ggml_sfi_flash_attn_evidence, which also gives the Selector its evidence and key norms; by
+    default on the CPU it is llama.cpp's flash attention, and the evidence comes from ggml_sfi_evidence (or composite
+    ops, fused_ops off: LLAMA_SFI_FUSED=0). The contexts of one process take the switches each asks for."""
+    params = {**default_params(), **switches}
     capture = Capture(["sfi_fae", "sfi_evidence"])
     (c, d), token = prefilled_pair(tiny, 300, seed=10, capture=capture)
     try:
-        sfi = device_selector_slow_step(d, token[0], 128, capture)
+        sfi = device_selector_slow_step(d, token[0], 128, capture, **switches)
         ops = {op for ops in capture.ops.values() for op in ops} - {"VIEW", "RESHAPE"}  # the views of their results
-        fused = FA_EVIDENCE and os.environ.get("LLAMA_SFI_FUSED") != "0"
-        if os.environ.get("LLAMA_SFI_FUSED") == "0":
+        fused = params["fa_evidence"] == 1 and params["fused_ops"]  # (-1 on the CPU's keys: off)
+        if not params["fused_ops"]:
             expected = set()  # the composite ops
         else:
             expected = {"SFI_FLASH_ATTN_EVIDENCE"} if fused else {"SFI_EVIDENCE"}
@@ -330,15 +339,17 @@ def test_the_attention_gives_the_evidence_where_asked(tiny):
 
 
 @pytest.mark.skipif(NGL > 0, reason="reads the graph's nodes on the host through cb_eval")
-def test_the_gathers_copy_rows_as_they_are(tiny):
+@pytest.mark.parametrize("fused_ops", [None, False], ids=["defaults", "composite"])
+def test_the_gathers_copy_rows_as_they_are(tiny, fused_ops):
     """Both gathers of a selection into the view, the slow step's of the device Selector's picks and the first fast
     step's of a selection set from the host, copy the cache's rows with ggml_sfi_copy_rows where the backend has it
-    (no F32 rows between a get_rows and a set_rows); with LLAMA_SFI_FUSED=0, the composite ops."""
-    expected = {"SET_ROWS"} if os.environ.get("LLAMA_SFI_FUSED") == "0" else {"SFI_COPY_ROWS"}
+    (no F32 rows between a get_rows and a set_rows); with fused_ops off (LLAMA_SFI_FUSED=0), the composite ops."""
+    composite = fused_ops is False or not default_params()["fused_ops"]
+    expected = {"SET_ROWS"} if composite else {"SFI_COPY_ROWS"}
     capture = Capture(["sfi_gather"])
     (c, d), token = prefilled_pair(tiny, 500, seed=8, capture=capture)
     try:
-        sfi = device_selector_slow_step(d, token[0], 256, capture)
+        sfi = device_selector_slow_step(d, token[0], 256, capture, fused_ops=fused_ops)
         assert capture.ops == {"sfi_gather": expected}  # the slow step gathered its own selection
         selected = sfi.selection()
         sfi.load_selection()

@@ -168,7 +168,7 @@ def test_the_native_defaults_are_the_python_defaults_and_every_field_is_passed()
     c_selector = native._selector_default_params()
     c_defaults = {name: getattr(c_selector, name) for name, _ in native.llama_sfi_selector_params._fields_}
     config = SFIConfig()
-    python = SFISelector().device_params(0, config.n_sink, config.n_recent)
+    python = SFISelector().device_params(0, config.n_sink, config.n_recent).as_dict()
     # the Python side passes every field through the C API: the C defaults never decide
     assert set(python) == set(c_defaults)
     for name, value in python.items():

@@ -68,10 +68,22 @@ extern "C" {
         int32_t n_query_rows;     // SLOW: the last n_query_rows tokens of the ubatch are the query rows
         float   evidence_alpha;   // SLOW: also export sum_r p_r^alpha (0 = do not)
         bool    export_key_norms; // SLOW: also export ||K|| per (layer, KV head, cell)
+
+        // how the steps are computed (the same results: fa_evidence changes a slow step's logits by rounding only)
+        bool    fused_ops;        // SFI's fused ggml ops where the backend has them; false: their composite ggml
+                                  // definition on every backend (what a backend without the ops runs)
+        bool    keep_graphs;      // keep the graphs of slow and mixed batched ubatches by their mix of steps, and take
+                                  // them again; false: such a ubatch takes the context's graph, as llama.cpp's own do
+        int32_t fa_evidence;      // SLOW with flash attention: the attention as ggml_sfi_flash_attn_evidence, which
+                                  // also gives the evidence and key norms: 1 on every backend that has it, 0 on none
+                                  // (flash attention + ggml_sfi_evidence), -1 where the keys are in device memory (or
+                                  // in host memory for layers on a device)
     };
 
     // n_sel_max 2308 (a 2048-cell selection, the sink and the recent window), n_tail_max 256, n_query_rows 1,
-    // evidence_alpha 0.5, export_key_norms true.
+    // evidence_alpha 0.5, export_key_norms true, fused_ops true, keep_graphs true, fa_evidence -1. The environment
+    // overrides the last three defaults (read once per process): LLAMA_SFI_FUSED=0 fused_ops false,
+    // LLAMA_SFI_KEEP_GRAPHS=0 keep_graphs false, LLAMA_SFI_FA_EVIDENCE=1 / =0 fa_evidence 1 / 0.
     LLAMA_API struct llama_sfi_params llama_sfi_default_params(void);
 
     // Start SFI on ctx: allocates the view (per covered layer and stream, pad256(n_sel_max + n_tail_max) slots,
@@ -81,7 +93,8 @@ extern "C" {
     // selection, no candidates, no device Selector. Calling it again re-initializes.
     // Returns 0, or
     //   LLAMA_SFI_ERR_BAD_ARG:     ctx or params NULL, n_sel_max, n_tail_max or n_query_rows < 1, evidence_alpha
-    //                              negative or not finite, n_sel_max + n_tail_max too large; ctx is unchanged
+    //                              negative or not finite, n_sel_max + n_tail_max too large, fa_evidence not -1, 0
+    //                              or 1; ctx is unchanged
     //   LLAMA_SFI_ERR_UNSUPPORTED: no KV cache, several sequences in a unified cache, or a cache or model SFI
     //                              does not cover (the log says why)
     //   LLAMA_SFI_ERR_ALLOC:       the view could not be allocated

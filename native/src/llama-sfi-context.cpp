@@ -157,11 +157,8 @@ llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * 
         kv = iswa->get_base();
     }
 
-    // LLAMA_SFI_KEEP_GRAPHS=0: none kept (every such ubatch takes the context's graph, as llama.cpp's own do)
-    static const bool enabled = [] {
-        const char * env = getenv("LLAMA_SFI_KEEP_GRAPHS");
-        return !env || strcmp(env, "0") != 0;
-    }();
+    // keep_graphs off: none kept (every such ubatch takes the context's graph, as llama.cpp's own do)
+    const bool enabled = view->params.keep_graphs;
 
     const llama_sfi_plan * plan = kv ? kv->get_sfi() : nullptr;
     // (a cache in host memory: a graph taken again would lose the backends llama_sfi_place_host_cache gave its nodes)

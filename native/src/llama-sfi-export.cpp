@@ -127,7 +127,7 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
     ggml_tensor * score = ggml_sum_rows(ctx, evid_rows ? evid_rows : mass_rows); // [1, n_kv, ns]
     // I32 [n_cand, ns], by a selection where the keys' backend has it (ggml's top-k is a heap: ~60 ms per slow step for
     // the default model's 24 layers at 16K cells on two CPU cores)
-    ggml_tensor * cells = llama_sfi_top_k(ctx, ggml_reshape_2d(ctx, score, ex.n_kv, ex.ns), (int) ex.n_cand, false,
+    ggml_tensor * cells = llama_sfi_top_k(ctx, ex.view.params, ggml_reshape_2d(ctx, score, ex.n_kv, ex.ns), (int) ex.n_cand, false,
             ex.view.cache_k_of(ex.il));
     ex.output(cells, "sfi_cells", ex.res.cells);
 
@@ -149,16 +149,13 @@ static void llama_sfi_export_candidates(const llama_sfi_layer_export & ex) {
 // also gives the device Selector the layer's evidence and key norms from its one read of the keys, where the keys'
 // backend has the op; nullptr where it does not apply (no flash attention, sinks, ALiBi, query rows that are not all
 // the step's tokens, V transposed). Its output equals flash attention's up to rounding, so such a slow step is not
-// bit-identical to a dense one. LLAMA_SFI_FA_EVIDENCE=1 takes it on every backend that has it, =0 on none; by default
+// bit-identical to a dense one. llama_sfi_params.fa_evidence 1 takes it on every backend that has it, 0 on none; -1
 // on the keys of a device, and on a cache kept in host memory for layers on a device (kv_on_host), whose slow steps
 // attend on the CPU: the op reads each key and value once for all the query heads of its group, where flash
 // attention reads them once per query head and the evidence op the keys again. Not on a CPU-only model's cache: the
 // CPU's op is the reference, and the CPU decodes faster without flash attention anyway.
 static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex, ggml_tensor * attn) {
-    static const int wanted = [] { // 1, 0, or -1: by where the keys are
-        const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
-        return env ? (strcmp(env, "1") == 0 ? 1 : 0) : -1;
-    }();
+    const int32_t wanted = ex.view.params.fa_evidence; // 1, 0, or -1: by where the keys are
     const ggml_tensor * keys = ex.view.cache_k_of(ex.il); // the cache's own tensor, not a view: it has its buffer
     const bool enabled = wanted == 1 ||
         (wanted < 0 && keys->buffer && (!ggml_backend_buffer_is_host(keys->buffer) || ex.view.cache_on_host));
@@ -183,7 +180,7 @@ static ggml_tensor * llama_sfi_fused_attention(const llama_sfi_layer_export & ex
     }
 
     ggml_tensor * op = ggml_sfi_flash_attn_evidence(ex.ctx, q, k, v, mask, scale, softcap, ex.view.params.evidence_alpha, true);
-    if (!llama_sfi_backend_runs(op, keys)) {
+    if (!llama_sfi_backend_runs(ex.view.params, op, keys)) {
         return nullptr;
     }
     // build_attn_mha has put flash attention in the graph already: the fused op takes its node, so that flash

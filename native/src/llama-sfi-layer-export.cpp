@@ -60,12 +60,12 @@ static ggml_tensor * llama_sfi_stack_in_place(ggml_context * ctx, const std::vec
     auto flat = [&](ggml_tensor * t) { return ggml_reshape_1d(ctx, t, n); };
 
     ggml_tensor * stack = ggml_pad(ctx, flat(ts[0]), (int) (n*(ts.size() - 1)), 0, 0, 0);
-    if (!llama_sfi_backend_runs(stack, storage)) {
+    if (!llama_sfi_backend_has(stack, storage)) {
         return nullptr;
     }
     for (size_t l = 1; l < ts.size(); ++l) {
         ggml_tensor * next = ggml_set_1d_inplace(ctx, stack, flat(ts[l]), l*bytes);
-        if (l == 1 && !llama_sfi_backend_runs(next, storage)) {
+        if (l == 1 && !llama_sfi_backend_has(next, storage)) {
             return nullptr;
         }
         stack = next;

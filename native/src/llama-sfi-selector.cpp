@@ -65,12 +65,12 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_evidence_fused
     if (k4) {
         ops.push_back(ggml_sfi_evidence(ctx, llama_sfi_stack(ctx, qs, 3), k4, ex.mask, ex.n_rows, alpha, ex.cap, true));
     }
-    if (ops.empty() || !llama_sfi_backend_runs(ops[0], storage)) {
+    if (ops.empty() || !llama_sfi_backend_runs(ex.view.params, ops[0], storage)) {
         ops.clear();
         for (size_t l = 0; l < qs.size(); ++l) {
             ops.push_back(ggml_sfi_evidence(ctx, qs[l], ggml_permute(ctx, ks[l], 0, 2, 1, 3), ex.mask, ex.n_rows, alpha, ex.cap, true));
         }
-        if (!llama_sfi_backend_runs(ops[0], storage)) {
+        if (!llama_sfi_backend_runs(ex.view.params, ops[0], storage)) {
             return { nullptr, nullptr };
         }
     }
@@ -92,7 +92,7 @@ bool llama_sfi_selector_fused(const llama_sfi_layer_export & ex) {
     }
     ggml_tensor * op = ggml_sfi_evidence(ex.ctx, ex.q, ggml_permute(ex.ctx, ex.k, 0, 2, 1, 3), ex.mask, ex.n_rows,
             ex.view.params.evidence_alpha, ex.cap, true);
-    return llama_sfi_backend_runs(op, ex.view.cache_k_of(ex.il));
+    return llama_sfi_backend_runs(ex.view.params, op, ex.view.cache_k_of(ex.il));
 }
 
 // the candidate stage as composite ops (ggml_sfi_candidate_scores and ggml_sfi_candidate_values define it): the
@@ -133,7 +133,7 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_candidates(
     // candidates: the most f summed over the heads (each head normalised: every head has its say), summed by
     // halving (a sum_rows over rows of n_head_kv values runs one CUDA block per cell)
     ggml_tensor * score = ggml_add(ctx, ggml_reshape_2d(ctx, llama_sfi_group_sum(ctx, f, 1), n_kv, nb), ggml_reshape_2d(ctx, mask, n_kv, ns));
-    ggml_tensor * cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage); // [n_cand, nb]
+    ggml_tensor * cells = llama_sfi_top_k(ctx, view.params, score, (int) n_cand, false, storage); // [n_cand, nb]
 
     // one gather of every value the Selector reads per candidate, f of each head, its relative position u and
     // the range mask: a gather of one-value rows costs about as much as one of ten
@@ -183,10 +183,10 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     // the candidate stage as two ops where the backend of the keys has them, else as composite ops
     ggml_tensor * cs = ggml_sfi_candidate_scores(ctx, ggml_is_contiguous(evid) ? evid : ggml_cont(ctx, evid), mask,
             view.params.evidence_alpha, sp.pool_window);
-    if (llama_sfi_backend_runs(cs, storage)) {
+    if (llama_sfi_backend_runs(view.params, cs, storage)) {
         ggml_tensor * score = ggml_view_2d(ctx, cs, n_kv, nb, cs->nb[1], 0);
 
-        cells = llama_sfi_top_k(ctx, score, (int) n_cand, false, storage);
+        cells = llama_sfi_top_k(ctx, view.params, score, (int) n_cand, false, storage);
         vals  = ggml_sfi_candidate_values(ctx, cs, inp.sel_u, mask, cells);
     } else {
         std::tie(cells, vals) = llama_sfi_selector_candidates(ctx, view, inp, evid, n_cand, storage);
@@ -220,9 +220,9 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
         };
         ggml_tensor * sc = ggml_sfi_selector_scores(ctx, vals, ggml_is_contiguous(kn_rows) ? kn_rows : ggml_cont(ctx, kn_rows),
                 kn_cells, op_params);
-        if (llama_sfi_backend_runs(sc, storage)) {
+        if (llama_sfi_backend_runs(view.params, sc, storage)) {
             ggml_set_name(sc, "sfi_sel_score");
-            return { cells, llama_sfi_top_k(ctx, sc, sp.k_head, true, storage) };
+            return { cells, llama_sfi_top_k(ctx, view.params, sc, sp.k_head, true, storage) };
         }
     }
 
@@ -275,7 +275,7 @@ static std::pair<ggml_tensor *, ggml_tensor *> llama_sfi_selector_picks(
     // the k_head best per (head, pair), all rows in one op
     ggml_set_name(sc, "sfi_sel_score");
 
-    return { cells, llama_sfi_top_k(ctx, sc, sp.k_head, true, storage) };
+    return { cells, llama_sfi_top_k(ctx, view.params, sc, sp.k_head, true, storage) };
 }
 
 void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
@@ -399,7 +399,7 @@ void llama_sfi_build_selection(const llama_sfi_layer_export & ex) {
             const int64_t nb     = picks->ne[2];
 
             ggml_tensor * picked = picks->op == GGML_OP_SFI_TOP_K ? ggml_sfi_top_k_ids(ctx, picks->src[0], (int) k_head, cells) : nullptr;
-            if (picked && llama_sfi_backend_runs(picked, view.cache_k_of(view.layers[refreshed[first]].il))) {
+            if (picked && llama_sfi_backend_runs(view.params, picked, view.cache_k_of(view.layers[refreshed[first]].il))) {
                 picks = picked; // the selection writes the cells themselves
             } else {
                 picks = ggml_get_rows(ctx, ggml_reshape_3d(ctx, cells, 1, cells->ne[0], nb), ggml_reshape_2d(ctx, picks, k_head*h, nb));

@@ -20,16 +20,17 @@
 //
 
 // an SFI op runs where the tensor it reads (storage) is, when that backend has it; RPC reports every op as supported
-// without asking its server, so it keeps the composite ops. LLAMA_SFI_FUSED=0 keeps them everywhere (for comparisons).
-bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage) {
-    static const bool fused = [] {
-        const char * env = getenv("LLAMA_SFI_FUSED");
-        return !env || strcmp(env, "0") != 0;
-    }();
+// without asking its server, so it keeps the composite ops. Without params.fused_ops, every backend keeps them (for
+// comparisons, and to check the graph a backend without the ops builds).
+bool llama_sfi_backend_runs(const llama_sfi_params & params, const ggml_tensor * op, const ggml_tensor * storage) {
+    return params.fused_ops && llama_sfi_backend_has(op, storage);
+}
+
+bool llama_sfi_backend_has(const ggml_tensor * op, const ggml_tensor * storage) {
     if (storage->view_src) {
         storage = storage->view_src; // a view built for the graph has no buffer of its own yet
     }
-    if (!fused || !storage->buffer) {
+    if (!storage->buffer) {
         return false;
     }
     ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(storage->buffer);
@@ -43,9 +44,10 @@ bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage)
     return ggml_backend_dev_supports_op(dev, op);
 }
 
-ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage) {
+ggml_tensor * llama_sfi_top_k(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * a, int k,
+        bool sorted_fallback, const ggml_tensor * storage) {
     ggml_tensor * t = ggml_sfi_top_k(ctx, a, k);
-    if (llama_sfi_backend_runs(t, storage)) {
+    if (llama_sfi_backend_runs(params, t, storage)) {
         return t;
     }
     return sorted_fallback ? ggml_cont(ctx, ggml_argsort_top_k(ctx, a, k)) : ggml_top_k(ctx, a, k);
@@ -55,7 +57,8 @@ static ggml_backend_buffer_t llama_sfi_buffer_of(const ggml_tensor * t) {
     return t->view_src ? t->view_src->buffer : t->buffer;
 }
 
-ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
+ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * dst,
+        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
     ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
 
     // from a cache in host memory into a view on a device: the rows are gathered on the CPU (get_rows, pinned there by
@@ -64,7 +67,7 @@ ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_te
     ggml_backend_buffer_t buf_dst = llama_sfi_buffer_of(dst);
     const bool across = buf_src && buf_dst && ggml_backend_buffer_is_host(buf_src) != ggml_backend_buffer_is_host(buf_dst);
 
-    if (across || !llama_sfi_backend_runs(t, src)) {
+    if (across || !llama_sfi_backend_runs(params, t, src)) {
         // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
         t = ggml_set_rows(ctx, dst, ggml_get_rows(ctx, src, idx), slots);
     }
@@ -443,6 +446,7 @@ void llama_sfi_set_inputs(const llama_kv_cache_context * mctx, const llama_sfi_g
 // gather rows sel[:, h] of KV head h of the cache into slots 0 .. n_sel-1 of the view, for every head
 static ggml_tensor * llama_sfi_gather(
         ggml_context * ctx,
+        const llama_sfi_params & params,
          ggml_tensor * src,  // [n_embd_gqa, kv_size]
          ggml_tensor * dst,  // [n_embd_gqa, c_max]
          ggml_tensor * sel,  // I32 [n_sel, n_head_kv]
@@ -454,7 +458,7 @@ static ggml_tensor * llama_sfi_gather(
     ggml_tensor * dst_h = ggml_view_3d(ctx, dst, n_embd_head, dst->ne[1], n_head_kv,
             dst->nb[1], ggml_row_size(dst->type, n_embd_head), 0);
 
-    return llama_sfi_copy_rows(ctx, dst_h, src_h, sel, slots);
+    return llama_sfi_copy_rows(ctx, params, dst_h, src_h, sel, slots);
 }
 
 // dst [n_sel, n_rows, n_head_kv] = the columns sel [n_sel, n_head_kv] of src [kv_size, n_rows, n_head_kv], each head its
@@ -562,13 +566,13 @@ void llama_sfi_build_store(
             return ggml_view_2d(ctx, t, t->ne[0], t->ne[1], t->nb[1], s*t->nb[2]);
         };
 
-        ggml_build_forward_expand(gf, llama_sfi_gather(ctx, stream_rows(view->cache_k_of(il)), stream_rows(l.k),
+        ggml_build_forward_expand(gf, llama_sfi_gather(ctx, view->params, stream_rows(view->cache_k_of(il)), stream_rows(l.k),
                     sel, slots, l.k->ne[0]/l.n_head_kv, l.n_head_kv));
 
         if (view->v_trans) {
             llama_sfi_build_gather_v_trans(ctx, gf, *view, il, s, sel, 0);
         } else {
-            ggml_build_forward_expand(gf, llama_sfi_gather(ctx, stream_rows(view->cache_v_of(il)), stream_rows(l.v),
+            ggml_build_forward_expand(gf, llama_sfi_gather(ctx, view->params, stream_rows(view->cache_v_of(il)), stream_rows(l.v),
                         sel, slots, l.v->ne[0]/l.n_head_kv, l.n_head_kv));
         }
     }
@@ -645,7 +649,7 @@ void llama_sfi_build_load(
 
             ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, h, a, own->nb[1], own->nb[2], own0);
 
-            ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, own_slots));
+            ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots));
         } else {
             for (int64_t j = 0; j < h; ++j) {
                 ggml_tensor * s4 = view_4d(src, t_src, d, ns, t_src->nb[2], nl, src.stride, j*hs_src);
@@ -653,7 +657,7 @@ void llama_sfi_build_load(
 
                 ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, ns, nl, own->nb[2], ns*own->nb[2], own0 + j*own->nb[1]);
 
-                ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, own_slots));
+                ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots));
             }
         }
 
@@ -663,7 +667,7 @@ void llama_sfi_build_load(
 
         ggml_tensor * idx = ggml_view_3d(ctx, inp.shared, n_shared, ns, nl, inp.shared->nb[2], inp.shared->nb[1], 0);
 
-        ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, d4, s4, idx, shared_slots));
+        ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, shared_slots));
     };
 
     // layers that lie at one stride in the cache and in the view take one gather per tensor for all of them, the

@@ -11,6 +11,7 @@
 #include <vector>
 
 class llama_kv_cache_context;
+struct llama_sfi_params;
 struct llama_sfi_view;
 struct llama_ubatch;
 
@@ -83,17 +84,23 @@ struct llama_sfi_graph_result {
     ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
 };
 
-// whether op runs on the backend of storage (the tensor it reads), which has it: an SFI op there, else its composite
-// definition (RPC always takes the composite ops; so does every backend with LLAMA_SFI_FUSED=0)
-bool llama_sfi_backend_runs(const ggml_tensor * op, const ggml_tensor * storage);
+// whether the backend of storage (the tensor op reads) has op; RPC reports every op as supported without asking its
+// server, so it has none here
+bool llama_sfi_backend_has(const ggml_tensor * op, const ggml_tensor * storage);
 
-// the indices of the k best of each row of a: ggml_sfi_top_k (a selection, in increasing order) where the backend of
-// storage has it, else ggml's top-k ops (argsort_top_k, the best first, when sorted_fallback)
-ggml_tensor * llama_sfi_top_k(ggml_context * ctx, ggml_tensor * a, int k, bool sorted_fallback, const ggml_tensor * storage);
+// whether op, an SFI op, runs: with params.fused_ops, where the backend of storage has it; else the caller builds its
+// composite definition (RPC always takes the composite ops; so does every backend without fused_ops)
+bool llama_sfi_backend_runs(const llama_sfi_params & params, const ggml_tensor * op, const ggml_tensor * storage);
 
-// dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where the backend of src has it, else
+// the indices of the k best of each row of a: ggml_sfi_top_k (a selection, in increasing order) where it runs
+// (llama_sfi_backend_runs on storage), else ggml's top-k ops (argsort_top_k, the best first, when sorted_fallback)
+ggml_tensor * llama_sfi_top_k(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * a, int k,
+        bool sorted_fallback, const ggml_tensor * storage);
+
+// dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where it runs on the backend of src, else
 // get_rows then set_rows
-ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, ggml_tensor * dst, ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);
+ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * dst,
+        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);
 
 // a cache in host memory with the view on a device (llama_sfi_view::cache_on_host): the nodes of gf that read the
 // cache run on the CPU backend of sched, so that no step copies the cache to the device; but for the attention of a

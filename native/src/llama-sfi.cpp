@@ -12,21 +12,39 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 14
+#define LLAMA_SFI_API_VERSION 15
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
 }
 
+// the environment's overrides of the execution defaults, read once
+static bool llama_sfi_env_off(const char * name) {
+    const char * env = getenv(name);
+    return env && strcmp(env, "0") == 0;
+}
+
 struct llama_sfi_params llama_sfi_default_params(void) {
+    static const bool    fused_ops   = !llama_sfi_env_off("LLAMA_SFI_FUSED");
+    static const bool    keep_graphs = !llama_sfi_env_off("LLAMA_SFI_KEEP_GRAPHS");
+    static const int32_t fa_evidence = [] {
+        const char * env = getenv("LLAMA_SFI_FA_EVIDENCE");
+        return env ? (strcmp(env, "1") == 0 ? 1 : 0) : -1;
+    }();
+
     llama_sfi_params result = {
         /*.n_sel_max        =*/ 2048 + 4 + 256,
         /*.n_tail_max       =*/ 256,
         /*.n_query_rows     =*/ 1,
         /*.evidence_alpha   =*/ 0.5f,
         /*.export_key_norms =*/ true,
+        /*.fused_ops        =*/ fused_ops,
+        /*.keep_graphs      =*/ keep_graphs,
+        /*.fa_evidence      =*/ fa_evidence,
     };
 
     return result;
@@ -53,7 +71,8 @@ int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params
     }
 
     if (params->n_sel_max < 1 || params->n_tail_max < 1 || params->n_query_rows < 1 ||
-        !(std::isfinite(params->evidence_alpha) && params->evidence_alpha >= 0.0f) || (int64_t) params->n_sel_max + params->n_tail_max > INT32_MAX - LLAMA_SFI_PAD) {
+        !(std::isfinite(params->evidence_alpha) && params->evidence_alpha >= 0.0f) || (int64_t) params->n_sel_max + params->n_tail_max > INT32_MAX - LLAMA_SFI_PAD ||
+        params->fa_evidence < -1 || params->fa_evidence > 1) {
         return LLAMA_SFI_ERR_BAD_ARG;
     }
 

@@ -209,7 +209,7 @@ class BatchedDecoder:
     @staticmethod
     def _export_key(slot: _Slot) -> tuple:
         native = slot.stepper.native
-        selector = tuple(sorted(native.selector.items())) if native.selector else None
+        selector = tuple(sorted(native.selector.items())) if isinstance(native.selector, dict) else native.selector
         return native.n_candidates, selector, native.refresh_layers
 
     @classmethod

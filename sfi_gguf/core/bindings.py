@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .library import lib, llama_cpp
+from .selector import DeviceSelectorParams
 
 MODE_DENSE = 0
 MODE_SLOW = 1
@@ -68,6 +69,9 @@ class llama_sfi_params(ctypes.Structure):
         ("n_query_rows", ctypes.c_int32),
         ("evidence_alpha", ctypes.c_float),
         ("export_key_norms", ctypes.c_bool),
+        ("fused_ops", ctypes.c_bool),
+        ("keep_graphs", ctypes.c_bool),
+        ("fa_evidence", ctypes.c_int32),
     ]
 
 
@@ -172,18 +176,21 @@ class SFINative:
 
     def __init__(self, ctx, n_sel_max: int | None = None, n_tail_max: int | None = None,
                  n_query_rows: int | None = None, evidence_alpha: float | None = None,
-                 export_key_norms: bool | None = None):
+                 export_key_norms: bool | None = None, **switches):
+        """The `llama_sfi_params` fields given (None or left out: the library's defaults); `switches`: its graph
+        switches fused_ops, keep_graphs and fa_evidence (-1, 0 or 1)."""
         self.ctx = ctx
         self._initialized = False
-        self.init(n_sel_max, n_tail_max, n_query_rows, evidence_alpha, export_key_norms)
+        self.init(n_sel_max, n_tail_max, n_query_rows, evidence_alpha, export_key_norms, **switches)
 
     # -- lifetime -------------------------------------------------------------------------------
     def init(self, n_sel_max=None, n_tail_max=None, n_query_rows=None, evidence_alpha=None,
-             export_key_norms=None) -> None:
+             export_key_norms=None, *, fused_ops=None, keep_graphs=None, fa_evidence=None) -> None:
         p = _default_params()
         for name, value in (("n_sel_max", n_sel_max), ("n_tail_max", n_tail_max),
                             ("n_query_rows", n_query_rows), ("evidence_alpha", evidence_alpha),
-                            ("export_key_norms", export_key_norms)):
+                            ("export_key_norms", export_key_norms), ("fused_ops", fused_ops),
+                            ("keep_graphs", keep_graphs), ("fa_evidence", fa_evidence)):
             if value is not None:
                 setattr(p, name, value)
         self._initialized = False  # a failed re-init may already have freed the previous state
@@ -276,23 +283,25 @@ class SFINative:
         init parameter's value: `params["n_query_rows"]`)."""
         _check("llama_sfi_set_n_query_rows", _set_n_query_rows(self.ctx, int(n_query_rows)))
 
-    def set_selector(self, params: dict | None) -> None:
-        """Slow steps with candidates run the Selector on the device with these `llama_sfi_selector_params`
-        (missing fields: the C defaults; None: no device Selector) and export only its selection."""
+    def set_selector(self, params: DeviceSelectorParams | dict | None) -> None:
+        """Slow steps with candidates run the Selector on the device with these parameters (a
+        `selector.DeviceSelectorParams`, or a dict of some `llama_sfi_selector_params` fields, the others the C
+        defaults; None: no device Selector) and export only its selection."""
         if params == self._selector:
             return  # unchanged: keep the compiled slow-step graph (new values are new graph constants)
         if params is None:
             _check("llama_sfi_set_selector", _set_selector(self.ctx, None))
             self._selector = None
             return
-        unknown = set(params) - {name for name, _ in llama_sfi_selector_params._fields_}
+        fields = params.as_dict() if isinstance(params, DeviceSelectorParams) else params
+        unknown = set(fields) - {name for name, _ in llama_sfi_selector_params._fields_}
         if unknown:
             raise ValueError(f"llama_sfi_selector_params has no field {', '.join(map(repr, sorted(unknown)))}")
         p = _selector_default_params()
-        for name, value in params.items():
+        for name, value in fields.items():
             setattr(p, name, value)
         _check("llama_sfi_set_selector", _set_selector(self.ctx, ctypes.byref(p)))
-        self._selector = dict(params)
+        self._selector = params if isinstance(params, DeviceSelectorParams) else dict(params)
 
     def set_refresh_layers(self, n_groups: int, group: int) -> None:
         """Slow steps with the device Selector refresh only the layers i % n_groups == group; the others keep
@@ -418,7 +427,7 @@ class SFISequence:
         self.n_candidates = n_candidates
         self.base.set_n_candidates(n_candidates)
 
-    def set_selector(self, params: dict | None) -> None:
+    def set_selector(self, params: DeviceSelectorParams | dict | None) -> None:
         self.selector = params
         self.base.set_selector(params)
 

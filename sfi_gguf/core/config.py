@@ -1,11 +1,12 @@
-"""`SFIConfig`: every knob of Slow-Fast Inference in one validated object.
+"""`SFIConfig`: every knob of Slow-Fast Inference in one validated object, the public entry.
 
-Defaults follow SPEC section 2 and the authors' reference code (design/sfi-paper-notes.md). The
-object is pure data: the budgets of the sparse memory, and the trigger policy and the Selector by
-name with their parameters (`policy_params`, `selector_params`: the dataclass each of them owns, in
-`policy.py` and `selector.py`). They are built from it by `policy.make_policy` and
-`selector.make_selector`, so a new strategy is a class registered in `policy.py` or `selector.py`
-with its `Params`, and is valid here at once.
+Defaults follow the paper (arXiv 2603.12038) and the authors' reference code (github.com/LV-NUS/SFI). The
+object is pure data: the budgets of the sparse memory, how the steps are computed, and the trigger policy and
+the Selector by name with their parameters (`policy_params`, `selector_params`: the dataclass each of them owns,
+in `policy.py` and `selector.py`), so a new strategy is a class registered in `policy.py` or `selector.py` with
+its `Params`, and is valid here at once. A context resolves it once into an immutable `plan.SFIPlan` (the budget,
+the policy and Selector classes with their parameters, the execution options and the native parameters), which
+is what the stepper reads.
 """
 from __future__ import annotations
 
@@ -14,21 +15,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from .params import is_int
+from .plan import K_HEAD_GRANULE, K_HEAD_LONG_CONTEXT, budget_of, options_of  # noqa: F401 (the k_head rule's constants)
 from .policy import POLICIES, MemoryMode, PolicyParams  # registries: a new policy or selector class is valid here at once
 from .selector import SELECTORS, SelectorParams
-
-#: k_head when it is scaled to the context: never above this (the throughput setting of the paper).
-K_HEAD_LONG_CONTEXT = 2048
-#: ... and a multiple of this (friendly to attention kernels' block sizes), at least one block.
-K_HEAD_GRANULE = 64
 
 
 @dataclass(frozen=True)
 class SFIConfig:
-    """Budgets, trigger policy and Selector (with their parameters) of one SFI run.
+    """Budgets, execution options, trigger policy and Selector (with their parameters) of one SFI run.
 
     Sparse memory of a fast step, per layer and KV head: `n_sink` first cells + `k_head` cells chosen
     by the Selector + the last `n_recent` cells (plus every token decoded since the last refresh).
+    A field None takes a default that depends on the context or on where the model runs, filled in when
+    a context resolves the config (`SFILlama.effective_config` shows them).
     """
 
     # -- sparse memory budget ------------------------------------------------------------------
@@ -39,8 +38,10 @@ class SFIConfig:
     n_recent: int = 256
     """Last cells of the context at a refresh, always attended."""
     min_context: int | None = None
-    """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain),
-    24576 with layers on a GPU (`engine.GPU_MIN_CONTEXT`, see `SFILlama.effective_config`)."""
+    """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain); on the
+    CPU with the default k_head 2048 (`plan.CPU_MIN_CONTEXT`); with layers on a GPU 24576, or 32768 per
+    sequence in a batch (`plan.GPU_MIN_CONTEXT`, `plan.GPU_BATCHED_MIN_CONTEXT`), where a dense step is cheap
+    until the context is long."""
     n_candidates: int | None = None
     """Cells per layer a slow step hands to the Selector, chosen on the device by head-summed evidence
     (top-k in the graph), so that a long context's export is not copied and scored whole. None: 4 x
@@ -53,36 +54,49 @@ class SFIConfig:
     before the candidates are picked (the host pools over the candidates' ranks) and the position
     prior uses true positions; soft-NMS has no device version (the host runs it). The selection is
     loaded at once (`selection_delay` has nothing to overlap). None: on when the model's layers are on
-    a GPU (the numpy Selector then costs about as much as the slow step itself)."""
+    a GPU (where the numpy Selector would cost about as much as the slow step itself)."""
 
     refresh_layer_groups: int = 1
     """With the device Selector, a refresh renews the selection of one group of layers in turn (layer i
     in group i % refresh_layer_groups) and keeps the other layers' cells, so that a slow step scores
     1/refresh_layer_groups of the layers: the reference's `refresh_layer_groups` (2 in its throughput
     runs). The first refresh of a generation renews every layer. 1: every refresh renews every layer.
-    2 made the H200's 128K slow steps cheaper (2.42x -> 2.60x with the paper's trigger) but the
-    kept half is staler: teacher-forced agreement at 4K fell from 0.953 to 0.824 (BENCHMARKS.md), so
-    it is off by default."""
+    A speed option: slow steps get cheaper, but the layers a refresh keeps hold a staler selection,
+    which lowers agreement with dense decoding, so it is off by default."""
 
     selection_delay: int = 0
     """Fast steps between a slow step and the loading of its new selection (0: the Selector runs
     before the next step). Meanwhile the Selector runs in a background thread and fast steps keep
     the previous selection (with a recent window that includes the slow step's token); the selection
     is loaded exactly this many steps later (waiting for it if need be), so outputs do not depend on
-    thread timing. A speed knob for offloaded layers (the host cores idle while the GPU decodes):
-    16 took the H200 from 1.87x to 2.14x at 128K, but the stale memory in between costs quality
-    (teacher-forced agreement at 4K, k_head 512: 0.953 -> 0.695), so it is off by default."""
+    thread timing. A speed option for offloaded layers (the host cores idle while the GPU decodes),
+    but the fast steps in between read a stale memory, which lowers agreement with dense decoding, so
+    it is off by default."""
 
     redecode_tail: bool = False
     """A slow step decodes again, densely, the tokens that fast steps wrote since the last refresh, in one
     ubatch with its own token, so that their keys and values are dense ones (a fast step's KV comes from
     attention over the sparse memory, and later steps, slow ones included, keep reading it); only its own
     token's row is exported, so the selection is the one it would be without the option. A slow step of
-    ~16 tokens in place of one; its effect on answer agreement is in BENCHMARKS.md, "The fast steps' KV".
-    In a batch, such a slow step decodes apart from the other sequences' tokens."""
+    up to a tail's tokens in place of one. In a batch, such a slow step decodes apart from the other
+    sequences' tokens."""
 
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""
+
+    # -- how the native graphs compute the steps (the same results; None: the library's default) --
+    fused_ops: bool | None = None
+    """SFI's fused ggml ops (gathers, evidence, top-k, the device Selector's stages) where the backend has
+    them; False: their composite ggml definition on every backend, what a backend without the ops runs.
+    None: True, unless the environment sets LLAMA_SFI_FUSED=0."""
+    fa_evidence: bool | None = None
+    """A slow step's attention (with flash attention) as one op that also gives the evidence and key
+    norms; its logits equal flash attention's up to rounding. False: flash attention and the evidence op.
+    None: on where the keys are in device memory (or in host memory for layers on a device), unless the
+    environment sets LLAMA_SFI_FA_EVIDENCE=1 (everywhere) or =0 (nowhere)."""
+    keep_graphs: bool | None = None
+    """Keep the graphs of slow and mixed batched steps by their mix of steps and take them again, rather
+    than build them again. None: True, unless the environment sets LLAMA_SFI_KEEP_GRAPHS=0."""
 
     # -- trigger policy and Selector -----------------------------------------------------------
     policy: str = "punctuation"
@@ -141,7 +155,8 @@ class SFIConfig:
              "must be None (n_sink + k_head + n_recent) or an integer >= 0")
         need(self.n_candidates is None or (is_int(self.n_candidates) and self.n_candidates >= 0), "n_candidates",
              "must be None (4 x k_head at long context) or an integer >= 0 (0: every cell)")
-        need(self.device_selector in (None, True, False), "device_selector", "must be None, True or False")
+        for name in ("device_selector", "fused_ops", "fa_evidence", "keep_graphs"):
+            need(getattr(self, name) is None or type(getattr(self, name)) is bool, name, "must be None, True or False")
         need(type(self.redecode_tail) is bool, "redecode_tail", "must be True or False")
         need(isinstance(self.policy, str) and self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
         need(isinstance(self.selector, str) and self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
@@ -155,29 +170,20 @@ class SFIConfig:
     # -- derived quantities --------------------------------------------------------------------
     def resolve_n_candidates(self, n_context: int) -> int:
         """Device-side candidates per layer for a slow step at `n_context` cells (0: every cell)."""
-        if self.n_candidates is not None:
-            return self.n_candidates
-        n = 4 * self.resolve_k_head(n_context)
-        return n if n_context > 2 * n else 0
+        return options_of(self).n_candidates_at(budget_of(self), n_context)
 
     def resolve_k_head(self, n_context: int) -> int:
         """Selected cells per KV head for a context of `n_context` cells.
 
         An explicit `k_head` wins. Otherwise: a quarter of the context, rounded down to a multiple of
-        64, at least 64 and at most 2048 (so 2048 from 8K cells on; 1024 at 4K; 512 at 2K). A quarter
-        keeps a fast step reading well under half of a short context, and 2048 is the paper's
-        throughput budget at long context.
+        64, at least 64 and at most 2048 (`plan.scaled_k_head`).
         """
-        if self.k_head is not None:
-            return self.k_head
-        quarter = (max(0, int(n_context)) // 4) // K_HEAD_GRANULE * K_HEAD_GRANULE
-        return max(K_HEAD_GRANULE, min(K_HEAD_LONG_CONTEXT, quarter))
+        return budget_of(self).k_head_at(n_context)
 
     def resolve_min_context(self, n_context: int) -> int:
-        """Context length below which decoding stays dense, for a context of `n_context` cells."""
-        if self.min_context is not None:
-            return self.min_context
-        return self.n_sink + self.resolve_k_head(n_context) + self.n_recent
+        """Context length below which decoding stays dense, for a context of `n_context` cells (the defaults
+        of where the model runs not filled in: `SFILlama.effective_config`)."""
+        return options_of(self).min_context_at(budget_of(self), n_context)
 
     @property
     def dense(self) -> bool:

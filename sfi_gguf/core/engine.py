@@ -6,27 +6,13 @@ SFI) both build their steppers here, so the two decode the same way.
 """
 from __future__ import annotations
 
-import dataclasses
-
 from .config import SFIConfig
 from .context import LlamaContext
 from .generate import DenseStepper
+from .plan import CPU_MIN_CONTEXT, GPU_BATCHED_MIN_CONTEXT, GPU_MIN_CONTEXT, SFIPlan, effective_config, resolve_plan
 
-# With layers on a GPU, SFI starts at this context (unless SFIConfig.min_context says otherwise): below
-# it, SFI on the H200 measured slower than dense decoding, or at best even with it (BENCHMARKS.md, "Where SFI
-# starts on a GPU": at 16K 1.01x for the Qwen3-4B shape and 0.94x for Qwen3-0.6B, at 24K 1.15x for both).
-GPU_MIN_CONTEXT = 24576
-
-# On the CPU, with the default budget (k_head a quarter of the context), SFI starts at this context (unless
-# SFIConfig.min_context or an explicit k_head says otherwise): the default model on 2 threads measured 0.95x dense
-# at 1K cells and 1.13x at 2K (BENCHMARKS.md, "Speed on the CPU").
-CPU_MIN_CONTEXT = 2048
-
-# Batched decoding (n_parallel sequences) with layers on a GPU: SFI starts at this context per sequence
-# (unless SFIConfig.min_context says otherwise). On the H200 (BENCHMARKS.md, "Where batched SFI starts on a
-# GPU"), batches of 2 to 16 whose sequences refresh together run 1.05x-1.27x batched dense at 16K and 1.21x-2.24x
-# at 32K; with their refreshes staggered, as a server's requests are, 0.90x-0.95x at 16K and 1.21x at 32K.
-GPU_BATCHED_MIN_CONTEXT = 32768
+__all__ = ["CPU_MIN_CONTEXT", "GPU_BATCHED_MIN_CONTEXT", "GPU_MIN_CONTEXT", "SFIEngine", "check_fits", "check_split",
+           "sfi_config"]
 
 
 def sfi_config(sfi) -> SFIConfig:
@@ -65,8 +51,9 @@ def check_split(config: SFIConfig, split_mode: str) -> None:
 class SFIEngine:
     """Builds the steppers of one context (`ctx`, sequence 0; a batch passes each sequence's handle).
 
-    The native SFI state (`native`) is created on the first SFI stepper and kept (re-initialised when a
-    config needs other buffer sizes); the piece table of the vocabulary (sentence boundaries) likewise.
+    Each config is resolved once for the context into an `SFIPlan` (`plan`), which its steppers read. The native
+    SFI state (`native`) is created on the first SFI stepper and kept (re-initialised when a plan needs other
+    native parameters); the piece table of the vocabulary (sentence boundaries) likewise.
     """
 
     def __init__(self, ctx: LlamaContext, n_gpu_layers: int, split_mode: str):
@@ -75,23 +62,29 @@ class SFIEngine:
         self.split_mode = split_mode
         self.native = None
         self.pieces = None
+        self._plans: dict[tuple[SFIConfig, bool], SFIPlan] = {}
 
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
-        if self.n_gpu_layers and config.device_selector is None:
-            # offloaded layers: the Selector runs in the slow step's graph (BENCHMARKS.md, "Speed on the GPU")
-            config = dataclasses.replace(config, device_selector=True)
-        if self.n_gpu_layers and config.min_context is None and batched:
-            return dataclasses.replace(config, min_context=GPU_BATCHED_MIN_CONTEXT)
-        if self.n_gpu_layers and config.min_context is None:
-            # offloaded layers (a GPU, or RPC): a dense step is cheap until the context is long, and the
-            # slow steps and the Selector cost more than the fast steps save below ~32K cells on the
-            # H200 (BENCHMARKS.md, "Speed on the GPU")
-            return dataclasses.replace(config, min_context=GPU_MIN_CONTEXT)
-        if not self.n_gpu_layers and config.min_context is None and config.k_head is None:
-            # the CPU with the default budget: dense below CPU_MIN_CONTEXT (above it the budget rule always holds)
-            return dataclasses.replace(config, min_context=CPU_MIN_CONTEXT)
-        return config
+        return effective_config(config, offloaded=bool(self.n_gpu_layers), batched=batched)
+
+    def plan(self, config: SFIConfig, batched: bool = False) -> SFIPlan:
+        """The plan of `config` on this context (checked, its defaults filled in), resolved once per config."""
+        key = (config, batched)
+        plan = self._plans.get(key)
+        if plan is None:
+            if not config.dense:
+                check_fits(config, self.ctx.n_ctx)
+                check_split(config, self.split_mode)
+            from .bindings import default_params
+
+            native_defaults = default_params() if not config.dense else None
+            plan = resolve_plan(config, self.ctx.n_ctx, offloaded=bool(self.n_gpu_layers), batched=batched,
+                                native_defaults=native_defaults)
+            if len(self._plans) >= 64:  # a server's requests may each bring a config: keep the recent ones
+                del self._plans[next(iter(self._plans))]
+            self._plans[key] = plan
+        return plan
 
     def stepper(self, config: SFIConfig, ctx: LlamaContext | None = None, batched: bool = False):
         """Dense, or an SFI stepper with a fresh policy (the native view and vocabulary are kept).
@@ -101,41 +94,25 @@ class SFIEngine:
         from .bindings import SFINative, SFISequence
 
         ctx = ctx or self.ctx
-        if config.dense:
+        plan = self.plan(config, batched)
+        if plan.dense:
             if self.native is not None and self.native._initialized:
                 self.native.set_mode(SFINative.DENSE)  # plain dense decodes from now on
-            return DenseStepper(ctx, last_chunk=config.n_prefill_queries)
-        n_ctx = self.ctx.n_ctx
-        check_fits(config, n_ctx)
-        check_split(config, self.split_mode)
-        config = self.effective_config(config, batched)
+            return DenseStepper(ctx, last_chunk=plan.options.n_prefill_queries)
         from .boundary import PieceTable
-        from .policy import POLICIES, make_policy
-        from .selector import make_selector
         from .stepper import SFIStepper
 
-        # a selection or a tail never holds more cells than the context: capping at n_ctx keeps the native
-        # buffers (allocated for the capacity) bounded, and the values inside int32
-        t_max = config.policy_params.t_max  # the tail's capacity: twice the policy's T_max, at least 256 cells
-        n_tail_max = min(n_ctx, max(256, 2 * (t_max or 0)))
-        # a delayed selection keeps every cell that entered its range since it was chosen as recent
-        # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap
-        # refresh) and the slow step's token beyond n_recent
-        stretch = config.selection_delay + n_tail_max + 1 if config.selection_delay else 0
-        params = dict(n_sel_max=min(n_ctx, config.n_sink + config.resolve_k_head(n_ctx) + config.n_recent + stretch),
-                      n_tail_max=n_tail_max,
-                      n_query_rows=min(n_ctx, config.n_prefill_queries),
-                      evidence_alpha=config.selector_params.evidence_alpha, export_key_norms=True)
+        params = plan.native.as_dict()
         if self.native is None:
             self.native = SFINative(self.ctx.ctx, **params)
-        elif not self.native._initialized or any(self.native.params[k] != v for k, v in params.items()):
-            self.native.init(**params)  # the config changed since (new budgets), or a re-init failed
-        if self.pieces is None and POLICIES[config.policy].reads_text:
+        elif not self.native._initialized or self.native.params != params:
+            self.native.init(**params)  # another plan (new budgets, other graph switches), or a re-init failed
+        if self.pieces is None and plan.policy.reads_text:
             self.pieces = PieceTable([self.ctx.token_bytes(t) for t in range(self.ctx.n_vocab)])
         native = self.native
         if self.ctx.n_seq_max > 1:
             native = SFISequence(native, ctx.seq)
-        return SFIStepper(ctx, native, config, make_policy(config, self.pieces), make_selector(config))
+        return SFIStepper(ctx, native, plan, plan.make_policy(self.pieces), plan.make_selector())
 
     def close(self) -> None:
         if self.native is not None:

@@ -29,6 +29,7 @@ defaults in `SFIConfig.selector_params`; its fields are keywords of `SFIConfig` 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -53,6 +54,29 @@ EVIDENCE_ALPHA = 0.5
 
 
 # -- inputs ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DeviceSelectorParams:
+    """A Selector run in the slow step's graph: the fields of the C API's `llama_sfi_selector_params`
+    (native/include/llama-sfi.h, which says what each does), built by `Selector.device_params`."""
+
+    k_head: int
+    n_sink: int
+    n_recent: int
+    pool_window: int
+    key_norm_exponent: float
+    w_pos: float
+    pos_beta: float
+    pos_power: float
+    pos_eta: float
+    lambda_clip_single: float
+    lambda_clip_multi: float
+    cross_head_alpha: float
+    cross_head_temperature: float
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
 @dataclass(frozen=True)
 class CandidateRange:
     """Positions [start, stop) the Selector chooses from: after the sink, before the recent window."""
@@ -453,9 +477,8 @@ class Selector(ABC):
         """Build from `params` (a `cls.Params`)."""
         return cls()
 
-    def device_params(self, k_head: int, n_sink: int, n_recent: int) -> dict | None:
-        """`llama_sfi_selector_params` of the same selector run in the slow step's graph, or
-        None when this selector has no device version."""
+    def device_params(self, k_head: int, n_sink: int, n_recent: int) -> DeviceSelectorParams | None:
+        """The same selector run in the slow step's graph, or None when this selector has no device version."""
         return None
 
     def select(self, export: AttentionExport, candidates: CandidateRange, k_head: int) -> np.ndarray:
@@ -588,11 +611,12 @@ class SFISelector(Selector):
     def device_params(self, k_head, n_sink, n_recent):
         if self.nms_strength:  # soft-NMS has no device version
             return None
-        return dict(k_head=int(k_head), n_sink=int(n_sink), n_recent=int(n_recent), pool_window=int(self.pool_window),
-                    key_norm_exponent=-self.prior["gamma"] * self.prior["w_l2"], w_pos=self.prior["w_pos"],
-                    pos_beta=self.prior["pos_beta"], pos_power=self.prior["pos_power"], pos_eta=self.prior["pos_eta"],
-                    lambda_clip_single=self.lambda_clip_single, lambda_clip_multi=self.lambda_clip_multi,
-                    cross_head_alpha=self.cross_head_alpha, cross_head_temperature=self.cross_head_temperature)
+        return DeviceSelectorParams(
+            k_head=int(k_head), n_sink=int(n_sink), n_recent=int(n_recent), pool_window=int(self.pool_window),
+            key_norm_exponent=-self.prior["gamma"] * self.prior["w_l2"], w_pos=self.prior["w_pos"],
+            pos_beta=self.prior["pos_beta"], pos_power=self.prior["pos_power"], pos_eta=self.prior["pos_eta"],
+            lambda_clip_single=self.lambda_clip_single, lambda_clip_multi=self.lambda_clip_multi,
+            cross_head_alpha=self.cross_head_alpha, cross_head_temperature=self.cross_head_temperature)
 
     def lambda_max(self, n_rows: int) -> float:
         return self.lambda_clip_single if n_rows == 1 else self.lambda_clip_multi

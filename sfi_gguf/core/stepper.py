@@ -7,7 +7,8 @@ stepper. It owns the native compact view (`bindings.SFINative`), the trigger pol
     prefill (dense) -> bootstrap slow step over the last prompt rows -> Selector -> selection
     -> fast steps (compact view: selection + tail) -> slow step when the policy fires -> ...
 
-A slow step is an exact dense step that also exports attention mass; the Selector turns the export
+The stepper reads a resolved `plan.SFIPlan` (budget, execution options, the policy and Selector it was
+given). A slow step is an exact dense step that also exports attention mass; the Selector turns the export
 into the next selection (with `SFIConfig.device_selector` the slow step runs the Selector in its own
 graph and exports only the selection). Policies whose memory needs no evidence (sink+recent, or a static
 selection whose tail fills up) refresh cheaply: the same cells, a new recent window, no slow step.
@@ -22,11 +23,11 @@ from typing import Protocol, Sequence, runtime_checkable
 import numpy as np
 
 from .bindings import DeviceSelection, SFINative
-from .config import SFIConfig
 from .context import LlamaContext
 from .generate import GenerationStats
+from .plan import SFIPlan
 from .policy import MemoryMode, TriggerPolicy
-from .selector import AttentionExport, CandidateRange, Selector
+from .selector import AttentionExport, CandidateRange, DeviceSelectorParams, Selector
 
 
 @runtime_checkable
@@ -112,11 +113,14 @@ class SFIStepper:
 
     mode = "sfi"
 
-    def __init__(self, ctx: LlamaContext, native: SFINative, config: SFIConfig, policy: TriggerPolicy,
+    def __init__(self, ctx: LlamaContext, native: SFINative, plan: SFIPlan, policy: TriggerPolicy,
                  selector: Selector):
+        """plan: the context's (`SFIEngine.plan`); policy and selector: fresh ones, built by the plan."""
         self.ctx = ctx
         self.native = native
-        self.config = config
+        self.sfi_plan = plan
+        self.budget = plan.budget
+        self.options = plan.options
         self.policy = policy
         self.selector = selector
         self.stats = SFIStats(policy=policy.name, selector=selector.name)
@@ -134,18 +138,8 @@ class SFIStepper:
         self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
         self._reason: str | None = None   # why the planned slow step fires
 
-    # -- budgets ----------------------------------------------------------------------------------
-    def _k_head(self, n_context: int) -> int:
-        return self.config.resolve_k_head(n_context)
-
-    def _recent(self, n_context: int) -> int:
-        # sink+recent only spends the selection budget on a longer recent window (equal budget)
-        if self.policy.memory is MemoryMode.SINK_RECENT:
-            return self.config.n_recent + self._k_head(n_context)
-        return self.config.n_recent
-
     def _wants_sparse(self, n_context: int) -> bool:
-        return self.policy.memory is not MemoryMode.DENSE and not self.config.stays_dense(n_context)
+        return self.policy.memory is not MemoryMode.DENSE and not self.sfi_plan.stays_dense(n_context)
 
     # -- the loop's interface ---------------------------------------------------------------------
     def prefill(self, tokens, progress: bool = False) -> int:
@@ -160,7 +154,7 @@ class SFIStepper:
         # the prompt's last n_prefill_queries tokens are its final decode, on their own, fresh or served from
         # the cache (LlamaContext.prefill): the same prompt splits the same way on every path, and that decode
         # is the bootstrap slow step, its tokens the query rows of the export
-        last_chunk = self.config.n_prefill_queries
+        last_chunk = self.options.n_prefill_queries
         if not self._wants_sparse(n):
             return self.ctx.prefill(tokens, progress=progress, last_chunk=last_chunk)
         if self.policy.memory is MemoryMode.SINK_RECENT:
@@ -191,7 +185,7 @@ class SFIStepper:
         """The tokens a step of `kind` decodes again before its own, removed from the cache here: with
         `redecode_tail`, a slow step's are the fast steps' tokens since the last refresh (their cells then hold
         dense KV, which every later step reads); otherwise none."""
-        if kind != "slow" or not self.config.redecode_tail or not self._tail:
+        if kind != "slow" or not self.options.redecode_tail or not self._tail:
             return []
         n = len(self.ctx.tokens)
         n_keep = n - min(self._tail, n - 1)
@@ -252,7 +246,7 @@ class SFIStepper:
             self.stats.slow_steps.append(self._n_step)
             if self._reason:
                 self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
-            self._refresh_from_export(background=bool(self.config.selection_delay) and self._selected is not None)
+            self._refresh_from_export(background=bool(self.options.selection_delay) and self._selected is not None)
         else:
             self.stats.t_fast += seconds
             self._tail += 1
@@ -273,15 +267,15 @@ class SFIStepper:
     def annotate(self, stats) -> None:
         self._drop_pending()
         self._collect_overlap()
-        self.stats.budget = (self.config.n_sink + self.stats.k_head + self.config.n_recent
+        self.stats.budget = (self.budget.n_sink + self.stats.k_head + self.budget.n_recent
                              if self.stats.k_head else 0)
         stats.sfi = self.stats
 
     # -- internals --------------------------------------------------------------------------------
     def _set_slow(self, n_context: int) -> None:
-        if isinstance(self._selected, DeviceSelection) and self.config.selection_delay:
+        if isinstance(self._selected, DeviceSelection) and self.options.selection_delay:
             self._selected = np.asarray(self._selected)  # a background refresh after this step loads it again
-        n_candidates = self.config.resolve_n_candidates(n_context)
+        n_candidates = self.sfi_plan.n_candidates_at(n_context)
         if n_candidates != self._n_candidates:
             self.native.set_n_candidates(n_candidates)
             self._n_candidates = n_candidates
@@ -290,26 +284,25 @@ class SFIStepper:
         self.native.set_refresh_layers(*self._layers_to_refresh(device_params))
         self.native.set_mode(SFINative.SLOW)
 
-    def _layers_to_refresh(self, device_params: dict | None) -> tuple[int, int]:
+    def _layers_to_refresh(self, device_params: DeviceSelectorParams | None) -> tuple[int, int]:
         """(n_groups, group) of the device Selector: one group of layers in turn once the view holds a
         selection of k_head cells per row for the other layers to keep (`refresh_layer_groups`)."""
-        n_groups = min(self.config.refresh_layer_groups, self.native.n_layers)  # no empty group
+        n_groups = min(self.options.refresh_layer_groups, self.native.n_layers)  # no empty group
         if (n_groups <= 1 or device_params is None or not self._sparse or self._selected is None
-                or self._selected.shape[-1] != device_params["k_head"]):
+                or self._selected.shape[-1] != device_params.k_head):
             return 1, 0
         self.stats.n_group_refresh += 1
         return n_groups, self.stats.n_group_refresh % n_groups
 
-    def _device_selector_params(self, n_context: int, n_candidates: int) -> dict | None:
+    def _device_selector_params(self, n_context: int, n_candidates: int) -> DeviceSelectorParams | None:
         """The Selector to run in this slow step's graph, or None (the host scores the export): on when
         configured, for a selector with a device version, once the range holds the candidates."""
-        if not self.config.device_selector or n_candidates <= 0:
+        if not self.options.device_selector or n_candidates <= 0:
             return None
-        k_head = self._k_head(n_context)
-        n_recent = self._recent(n_context)
-        if k_head > min(n_candidates, len(CandidateRange.for_context(n_context, self.config.n_sink, n_recent))):
+        k_head = self.budget.k_head_at(n_context)
+        if k_head > min(n_candidates, len(self.budget.candidates_at(n_context))):
             return None
-        return self.selector.device_params(k_head, self.config.n_sink, n_recent)
+        return self.selector.device_params(k_head, self.budget.n_sink, self.budget.recent_at(n_context))
 
     def _begin_bootstrap(self) -> None:
         self._set_slow(self._n_prompt)
@@ -343,19 +336,19 @@ class SFIStepper:
             self._sparse = False
             self.native.set_mode(SFINative.DENSE)
             return
-        k_head = self._k_head(n_context)
+        k_head = self.budget.k_head_at(n_context)
         export = AttentionExport(mass=mass, evidence=self.native.evidence(), key_norms=self.native.key_norms(),
                                  n_rows=self.native.n_query_rows() * self._group_size(),
                                  alpha=self.native.params["evidence_alpha"],
                                  **self._cells_and_positions(positions, mass.shape[2]))
-        candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+        candidates = self.budget.candidates_at(n_context)
         self.policy.note_refresh()
         if background:
             self._load_memory(self._selected, candidates=self._memory_range)
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
             self._pending = self._executor.submit(self._timed_select, export, candidates, k_head)
-            self._load_at = self._n_step + 1 + self.config.selection_delay
+            self._load_at = self._n_step + 1 + self.options.selection_delay
             self.stats.n_async += 1
             self.stats.t_selector += time.perf_counter() - t0
             return
@@ -425,7 +418,7 @@ class SFIStepper:
         self._collect_overlap()
         n_context = len(self.ctx.tokens)
         if candidates is None:
-            candidates = CandidateRange.for_context(n_context, self.config.n_sink, self._recent(n_context))
+            candidates = self.budget.candidates_at(n_context)
         self._memory_range = candidates
         if load is not None:
             load()

@@ -75,7 +75,8 @@ class BenchRow:
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
     confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
     config_overrides: dict = dataclasses.field(default_factory=dict)  # SFIConfig fields not at their defaults
-    composite_ops: bool = False    # LLAMA_SFI_FUSED=0: the slow step's fused ops replaced by composite ones
+    composite_ops: bool = False    # fused_ops off (LLAMA_SFI_FUSED=0 or --variant fused_ops=off): SFI's fused ops
+    #                                replaced by their composite definition
     fa_evidence_env: str | None = None  # LLAMA_SFI_FA_EVIDENCE as set ("0": a slow step's attention is flash
     #                                     attention + the evidence op even on a GPU; None: the default)
     keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
@@ -256,7 +257,7 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   selection_delay=effective.selection_delay,
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
                   refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
-                  composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0",
+                  composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0" or effective.fused_ops is False,
                   fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"),
                   keep_graphs_env=os.environ.get("LLAMA_SFI_KEEP_GRAPHS"),
                   cuda_graphs_disabled=os.environ.get("GGML_CUDA_DISABLE_GRAPHS") is not None)
