@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from sfi_gguf.core import log as llama_log
+from sfi_gguf.core import log as sfi_log
 from sfi_gguf.core.library import llama_cpp
 from native_harness import GGML_TYPE_F16, Model, all_cells, run_pair  # tests/ is on sys.path (pytest's import mode)
 
@@ -45,7 +45,7 @@ def llama_log():
     try:
         yield pieces
     finally:
-        llama_log.install()
+        sfi_log.install()
 
 
 def buffer_names(log: list[str], what: str) -> set[str]:
