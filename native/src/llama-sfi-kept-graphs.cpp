@@ -118,7 +118,7 @@ void llama_sfi_kept_graphs::reset() {
 
 llama_sfi_fast_graphs_scope::llama_sfi_fast_graphs_scope(llama_context & lctx) : lctx(lctx) {
     auto * sfi = lctx.sfi.get();
-    if (!sfi || sfi->view->step != LLAMA_SFI_STEP_FAST) {
+    if (!sfi || sfi->view->step != LLAMA_SFI_STEP_FAST || !sfi->view->params.keep_graphs) {
         return;
     }
 
