@@ -588,16 +588,18 @@ def test_removing_cells_keeps_the_other_cells_key_norms(tiny):
         c.close()
 
 
+@pytest.mark.parametrize("keep_graphs", [True, False], ids=["kept-graphs", "context-graphs"])
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-def test_slow_then_fast_cycle(tiny, flash_attn):
-    """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected."""
+def test_slow_then_fast_cycle(tiny, flash_attn, keep_graphs):
+    """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected, with the
+    fast steps on graphs of their own or on the context's."""
     P = 130
     a = Ctx(tiny, flash_attn=flash_attn)
     b = Ctx(tiny, flash_attn=flash_attn)
     try:
         toks = tokens_for(tiny, P, seed=8)
         a.decode(toks); b.decode(toks)
-        sfi = SFINative(b.ctx, n_sel_max=512, n_tail_max=32, n_query_rows=1)
+        sfi = SFINative(b.ctx, n_sel_max=512, n_tail_max=32, n_query_rows=1, keep_graphs=keep_graphs)
         tok = 11
         for cycle in range(3):
             sfi.set_mode(sfi.SLOW)
