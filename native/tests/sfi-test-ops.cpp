@@ -5,7 +5,8 @@
 // the norms of the keys' values; ggml_sfi_top_k's
 // indices must equal those of a sort by value and index exactly.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
-// sfi-test-ops perf [-s streams] [-t f16|q8_0|q4_0] [n_kv ...] times the op instead, on each backend but the CPU, at a
+// sfi-test-ops perf [--cpu] [-s streams] [-t f16|q8_0|q4_0] [n_kv ...] times the op instead, on each backend but the CPU
+// (--cpu: on the CPU too, on every core: a slow step over a cache in host memory runs there), at a
 // slow step's shape (a Qwen3-4B cache: 36 layers, 8 KV heads of 128, 4 query heads each, keys in the cache's layout, of
 // -t's type, F16 by default); with -s, the attention of a batched slow step of that many streams (one KV stream per
 // sequence), keys and values of -t's type
@@ -25,6 +26,7 @@
 #include <functional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 struct evidence_case {
@@ -1032,11 +1034,12 @@ static int test_flash_attn_evidence(const std::vector<ggml_backend_t> & backends
         for (float & x : vv) { x = normal(rng); }
         kv = round_to(tc.type_kv, kv, tc.D);
         vv = round_to(tc.type_kv, vv, tc.D);
-        // each stream's token t sees a prefix of the cells, some excluded inside it
+        // each stream's token t sees a prefix of the cells, some excluded inside it; a third stream sees a third of
+        // them (the CPU's chunks of cells wholly excluded)
         std::vector<float> mv(tc.n_kv*n_pad*tc.ns, -INFINITY);
         for (int64_t b = 0; b < tc.ns; ++b) {
             for (int64_t t = 0; t < tc.n_tokens; ++t) {
-                const int64_t visible = std::max<int64_t>(1, tc.n_kv - (tc.n_tokens - 1 - t) - 5*b);
+                const int64_t visible = b == 2 ? tc.n_kv/3 : std::max<int64_t>(1, tc.n_kv - (tc.n_tokens - 1 - t) - 5*b);
                 for (int64_t c = 0; c < visible; ++c) {
                     mv[(b*n_pad + t)*tc.n_kv + c] = c > 0 && c % 13 == 4 ? -INFINITY : 0.0f;
                 }
@@ -1079,7 +1082,12 @@ int main(int argc, char ** argv) {
         std::vector<int64_t> n_kvs;
         int64_t   ns      = 1;
         ggml_type type_kv = GGML_TYPE_F16;
+        bool      cpu     = false;
         for (int i = 2; i < argc; ++i) {
+            if (strcmp(argv[i], "--cpu") == 0) {
+                cpu = true;
+                continue;
+            }
             if (strcmp(argv[i], "-s") == 0 && i + 1 < argc) {
                 ns = std::max(1LL, atoll(argv[++i]));
                 continue;
@@ -1100,10 +1108,14 @@ int main(int argc, char ** argv) {
         }
         for (size_t i = 0; i < ggml_backend_dev_count(); ++i) {
             ggml_backend_dev_t dev = ggml_backend_dev_get(i);
-            if (ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU) {
+            const bool is_cpu = ggml_backend_dev_type(dev) == GGML_BACKEND_DEVICE_TYPE_CPU;
+            if (is_cpu && !cpu) {
                 continue;
             }
             if (ggml_backend_t b = ggml_backend_dev_init(dev, nullptr)) {
+                if (is_cpu) {
+                    ggml_backend_cpu_set_n_threads(b, (int) std::thread::hardware_concurrency());
+                }
                 for (int64_t n_kv : n_kvs) {
                     if (ns == 1) {
                         perf(b, n_kv, type_kv);

@@ -9,38 +9,184 @@
 #include "ggml-impl.h"
 #include "ops.h"
 #include "simd-mappings.h"
+#include "vec.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
+
+static float sfi_mask_value(const ggml_tensor * mask, int64_t c, int64_t r, int64_t b) {
+    const char * p = (const char *) mask->data + c*mask->nb[0] + r*mask->nb[1] + (b % mask->ne[3])*mask->nb[3];
+    return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p) : *(const float *) p;
+}
+
+// a row of n values of type t as F32, with the CPU backend's vectorised conversions where it has them
+static void sfi_row_to_f32(ggml_type t, const char * row, float * y, int64_t n) {
+    switch (t) {
+        case GGML_TYPE_F16:  ggml_cpu_fp16_to_fp32((const ggml_fp16_t *) row, y, n); break;
+        case GGML_TYPE_BF16: ggml_cpu_bf16_to_fp32((const ggml_bf16_t *) row, y, n); break;
+        default:             ggml_get_type_traits(t)->to_float(row, y, n);           break;
+    }
+}
+
+// s[j] = x.q_j for the n_q rows q_j of q (n floats each, one after the other), x read once per four rows
+static void sfi_dot_rows_f32(int64_t n, const float * x, const float * q, int64_t n_q, float * s) {
+    int64_t j = 0;
+#if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
+    const int64_t n_simd = n - n % GGML_F32_EPR;
+    for (; j + 4 <= n_q; j += 4) {
+        const float * q0 = q + j*n;
+        GGML_F32_VEC acc[4] = { GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO };
+        for (int64_t d = 0; d < n_simd; d += GGML_F32_EPR) {
+            const GGML_F32_VEC xv = GGML_F32_VEC_LOAD(x + d);
+            for (int r = 0; r < 4; ++r) {
+                acc[r] = GGML_F32_VEC_FMA(acc[r], GGML_F32_VEC_LOAD(q0 + r*n + d), xv);
+            }
+        }
+        float lanes[GGML_F32_EPR];
+        for (int r = 0; r < 4; ++r) {
+            GGML_F32_VEC_STORE(lanes, acc[r]);
+            float sum = 0.0f;
+            for (int e = 0; e < GGML_F32_EPR; ++e) {
+                sum += lanes[e];
+            }
+            for (int64_t d = n_simd; d < n; ++d) {
+                sum += x[d]*q0[r*n + d];
+            }
+            s[j + r] = sum;
+        }
+    }
+#endif
+    for (; j < n_q; ++j) {
+        ggml_vec_dot_f32((int) n, s + j, 0, x, 0, q + j*n, 0, 1);
+    }
+}
+
+// the products of a KV head's query rows with its keys as the evidence op takes them (and mul_mat and flash attention):
+// the rows, F32, rounded to the keys' vec_dot type. Keys of a float type: the rows kept as F32 (rounded), each key
+// converted to F32 once and multiplied with every row; other keys: the rows in the vec_dot type, one vec_dot per key
+// and row
+struct sfi_key_products {
+    const ggml_type_traits_cpu * k_traits;
+    const ggml_type_traits_cpu * q_traits;
+    ggml_type k_type;
+    ggml_type vec_dot_type;
+    int64_t   n_embd;
+    bool      f32_rows;
+    size_t    q_row_size;
+
+    static bool float_keys(ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }
+
+    // bytes of a query row as set_row writes it
+    static size_t row_bytes(ggml_type k_type, int64_t n_embd) {
+        return float_keys(k_type) ? sizeof(float)*n_embd : ggml_row_size(ggml_get_type_traits_cpu(k_type)->vec_dot_type, n_embd);
+    }
+
+    sfi_key_products(const ggml_tensor * k, int64_t n_embd) : k_type(k->type), n_embd(n_embd) {
+        k_traits     = ggml_get_type_traits_cpu(k->type);
+        vec_dot_type = k_traits->vec_dot_type;
+        q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
+        f32_rows     = float_keys(k->type);
+        q_row_size   = row_bytes(k->type, n_embd);
+        GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
+    }
+
+    // query row qj as row j of q_conv
+    void set_row(char * q_conv, int64_t j, const float * qj) const {
+        char * row = q_conv + j*q_row_size;
+        if (!f32_rows) {
+            q_traits->from_float(qj, row, n_embd);
+            return;
+        }
+        float * r = (float *) row;
+        for (int64_t d = 0; d < n_embd; ++d) {
+            switch (vec_dot_type) {
+                case GGML_TYPE_F16:  r[d] = GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(qj[d])); break;
+                case GGML_TYPE_BF16: r[d] = GGML_BF16_TO_FP32(GGML_FP32_TO_BF16(qj[d]));         break;
+                default:             r[d] = qj[d];                                               break;
+            }
+        }
+    }
+
+    // s[j] = the products of a key row with the n_q rows of q_conv; k_f32: the key as F32 after, when f32_rows
+    void dots(const char * k_row, const char * q_conv, int64_t n_q, float * s, float * k_f32) const {
+        if (f32_rows) {
+            const float * x = (const float *) k_row;
+            if (k_type != GGML_TYPE_F32) {
+                sfi_row_to_f32(k_type, k_row, k_f32, n_embd);
+                x = k_f32;
+            }
+            sfi_dot_rows_f32(n_embd, x, (const float *) q_conv, n_q, s);
+            return;
+        }
+        for (int64_t j = 0; j < n_q; ++j) {
+            k_traits->vec_dot(n_embd, s + j, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
+        }
+    }
+};
+
+// ggml_sfi_flash_attn_evidence on the CPU cuts each (KV head, stream) pair's cells into chunks of this many, one work
+// item each, so that every thread has work whatever the number of KV heads; the chunks do not depend on the number of
+// threads, and so neither do the results
+static constexpr int64_t SFI_FAE_CHUNK = 1024;
+
+// the fused op's work buffer: shared by the threads, the weights of every query row over every cell of each pair
+// [pair][row][n_kv] and each chunk's partial result [pair][chunk][row] (max, sum, output); then per thread a key and a
+// value as F32, the scaled query rows and those in the keys' vec_dot type
+struct sfi_fae_work {
+    int64_t n_q, n_kv, n_pairs, n_chunks, D, Dv;
+    size_t  q_conv_bytes;
+
+    explicit sfi_fae_work(const ggml_tensor * dst) {
+        const ggml_tensor * q = dst->src[0];
+        const ggml_tensor * k = dst->src[1];
+        const ggml_tensor * v = dst->src[2];
+        n_q          = q->ne[1]*(q->ne[2]/k->ne[2]);
+        n_kv         = k->ne[1];
+        n_pairs      = k->ne[2]*q->ne[3];
+        n_chunks     = (n_kv + SFI_FAE_CHUNK - 1)/SFI_FAE_CHUNK;
+        D            = q->ne[0];
+        Dv           = v->ne[0];
+        q_conv_bytes = sfi_key_products::row_bytes(k->type, D)*n_q;
+    }
+
+    int64_t part_floats() const { return 2 + Dv; }
+
+    size_t shared_bytes() const {
+        return GGML_PAD(sizeof(float)*(n_pairs*n_q*n_kv + n_pairs*n_chunks*n_q*part_floats()), CACHE_LINE_SIZE);
+    }
+
+    size_t thread_bytes() const {
+        return GGML_PAD(sizeof(float)*(D + Dv + n_q*D + n_q) + q_conv_bytes, CACHE_LINE_SIZE);
+    }
+
+    float * weights(void * wdata, int64_t pair) const { return (float *) wdata + pair*n_q*n_kv; }
+
+    float * part(void * wdata, int64_t pair, int64_t chunk, int64_t j) const {
+        return (float *) wdata + n_pairs*n_q*n_kv + ((pair*n_chunks + chunk)*n_q + j)*part_floats();
+    }
+
+    float * thread(void * wdata, int ith) const { return (float *) ((char *) wdata + shared_bytes() + ith*thread_bytes()); }
+};
 
 // per thread: the scores of every query row of one (head, batch) pair, those rows in the keys' vec_dot type, and a
 // key as F32 (for its norm)
 static size_t sfi_evidence_bytes_per_thread(const ggml_tensor * dst) {
     const ggml_tensor * q = dst->src[0];
     const ggml_tensor * k = dst->src[1];
-    const ggml_type vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
-    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + ggml_row_size(vec_dot_type, q->ne[0])*q->ne[1] + sizeof(float)*q->ne[0],
-            CACHE_LINE_SIZE);
-}
-
-// per thread: the scores of every query row of a GQA group, a key and a value as F32, the rows' outputs, the scaled
-// query rows, and those in the keys' vec_dot type
-static size_t sfi_fae_bytes_per_thread(const ggml_tensor * dst) {
-    const ggml_tensor * q = dst->src[0];
-    const ggml_tensor * k = dst->src[1];
-    const ggml_tensor * v = dst->src[2];
-    const int64_t n_q = q->ne[1]*(q->ne[2]/k->ne[2]);
-    const ggml_type vec_dot_type = ggml_get_type_traits_cpu(k->type)->vec_dot_type;
-    return GGML_PAD(sizeof(float)*(n_q*k->ne[1] + k->ne[0] + v->ne[0] + n_q*v->ne[0] + n_q*q->ne[0]) +
-            ggml_row_size(vec_dot_type, q->ne[0])*n_q, CACHE_LINE_SIZE);
+    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + sfi_key_products::row_bytes(k->type, q->ne[0])*q->ne[1] +
+            sizeof(float)*(q->ne[0] + q->ne[1]), CACHE_LINE_SIZE);
 }
 
 size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
     switch (node->op) {
         case GGML_OP_SFI_FLASH_ATTN_EVIDENCE:
-            return sfi_fae_bytes_per_thread(node)*n_tasks;
+            {
+                const sfi_fae_work work(node);
+                return work.shared_bytes() + work.thread_bytes()*n_tasks;
+            }
         case GGML_OP_SFI_EVIDENCE:
             return sfi_evidence_bytes_per_thread(node)*n_tasks;
         case GGML_OP_SFI_TOP_K:
@@ -52,77 +198,42 @@ size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
     }
 }
 
-static float sfi_mask_value(const ggml_tensor * mask, int64_t c, int64_t r, int64_t b) {
-    const char * p = (const char *) mask->data + c*mask->nb[0] + r*mask->nb[1] + (b % mask->ne[3])*mask->nb[3];
-    return mask->type == GGML_TYPE_F16 ? GGML_CPU_FP16_TO_FP32(*(const ggml_fp16_t *) p) : *(const float *) p;
-}
-
-// the products of a KV head's query rows with its keys as the evidence op takes them (and mul_mat and flash attention):
-// the rows, F32, converted to the keys' vec_dot type once, then one vec_dot per key and row
-struct sfi_key_products {
-    const ggml_type_traits_cpu * k_traits;
-    const ggml_type_traits_cpu * q_traits;
-    ggml_type vec_dot_type;
-    int64_t   n_embd;
-    size_t    q_row_size;
-
-    sfi_key_products(const ggml_tensor * k, int64_t n_embd) : n_embd(n_embd) {
-        k_traits     = ggml_get_type_traits_cpu(k->type);
-        vec_dot_type = k_traits->vec_dot_type;
-        q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
-        q_row_size   = ggml_row_size(vec_dot_type, n_embd);
-        GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
-    }
-
-    // query row qj as row j of q_conv
-    void set_row(char * q_conv, int64_t j, const float * qj) const {
-        if (vec_dot_type == GGML_TYPE_F32) {
-            memcpy(q_conv + j*q_row_size, qj, q_row_size);
-        } else {
-            q_traits->from_float(qj, q_conv + j*q_row_size, n_embd);
-        }
-    }
-
-    float dot(const char * k_row, const char * q_conv, int64_t j) const {
-        float s = 0.0f;
-        k_traits->vec_dot(n_embd, &s, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
-        return s;
-    }
-};
-
-// the norm of a key row of k's type (buf: n_embd floats, for a type other than F32)
-static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf) {
+// the norm of a key row of k's type (buf: n_embd floats, for a type other than F32; holding the row as F32 already when
+// converted)
+static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf, bool converted) {
     const float * x = (const float *) k_row;
     if (k->type != GGML_TYPE_F32) {
-        ggml_get_type_traits(k->type)->to_float(k_row, buf, k->ne[0]);
+        if (!converted) {
+            sfi_row_to_f32(k->type, k_row, buf, k->ne[0]);
+        }
         x = buf;
     }
-    double sq = 0.0;
-    for (int64_t d = 0; d < k->ne[0]; ++d) {
-        sq += (double) x[d]*x[d];
-    }
-    return (float) std::sqrt(sq);
+    float norm = 0.0f;
+    ggml_vec_norm_f32((int) k->ne[0], &norm, x);
+    return norm;
 }
 
-// the scores of a KV head's n_q query rows (q_conv: sfi_key_products::set_row) over every cell of (head h, batch b),
-// as flash attention defines them, softcap*tanh(q.k) + mask (row j's mask row: j % n_mask_rows), into
-// scores[j*n_kv + c]; with kn each key's norm at kn[(b*n_kv + c)*n_head_kv + h] (k_f32: n_embd floats)
+// the scores of a KV head's n_q query rows (q_conv: sfi_key_products::set_row) over the cells [c0, c1) of (head h,
+// batch b), as flash attention defines them, softcap*tanh(q.k) + mask (row j's mask row: j % n_mask_rows), into
+// scores[j*n_kv + c]; with kn each key's norm at kn[(b*n_kv + c)*n_head_kv + h] (k_f32: n_embd floats; row_s: n_q)
 static void sfi_cell_scores(const sfi_key_products & products, const ggml_tensor * k, const ggml_tensor * mask, const char * q_conv,
-        int64_t n_q, int64_t n_mask_rows, float softcap, int64_t h, int64_t b, float * scores, float * kn, float * k_f32) {
+        int64_t n_q, int64_t n_mask_rows, float softcap, int64_t h, int64_t b, int64_t c0, int64_t c1, float * scores,
+        float * kn, float * k_f32, float * row_s) {
     const int64_t n_kv      = k->ne[1];
     const int64_t n_head_kv = k->ne[2];
 
-    for (int64_t c = 0; c < n_kv; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {
         const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
+        products.dots(k_row, q_conv, n_q, row_s, k_f32);
         for (int64_t j = 0; j < n_q; ++j) {
-            float s = products.dot(k_row, q_conv, j);
+            float s = row_s[j];
             if (softcap > 0.0f) {
                 s = softcap*tanhf(s);
             }
             scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_mask_rows, b);
         }
         if (kn) {
-            kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, k_f32);
+            kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, k_f32, products.f32_rows);
         }
     }
 }
@@ -156,6 +267,7 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
     float * scores = (float *) work;
     char  * q_conv = work + sizeof(float)*n_q*n_kv;
     float * k_f32  = (float *) (q_conv + products.q_row_size*n_q);
+    float * row_s  = k_f32 + n_embd;
 
     GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float);
 
@@ -170,7 +282,7 @@ void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_
             products.set_row(q_conv, j, (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]));
         }
 
-        sfi_cell_scores(products, k, mask, q_conv, n_q, n_rows, softcap, h, b, scores, kn, k_f32);
+        sfi_cell_scores(products, k, mask, q_conv, n_q, n_rows, softcap, h, b, 0, n_kv, scores, kn, k_f32, row_s);
 
         float * evid = (float *) ((char *) dst->data + h*dst->nb[1] + b*dst->nb[2]);
         std::fill(evid, evid + n_kv, 0.0f);
@@ -459,10 +571,11 @@ void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml
     }
 }
 
-// one thread per (KV head, stream) pair at a time: the scores of the group's query rows over every cell, their max and
-// sum, then each row's output and every cell's evidence. The scores as ggml's flash attention defines them,
-// softcap*tanh(scale/softcap*q.k) + mask, with ggml_sfi_evidence's products: the scaled query rows in the keys'
-// vec_dot type, so that the evidence is that op's
+// flash decoding over chunks of cells: each work item (a pair of KV head and stream, a chunk of its cells) computes the
+// scores of the group's query rows as ggml's flash attention defines them, softcap*tanh(scale/softcap*q.k) + mask, with
+// ggml_sfi_evidence's products (the scaled query rows in the keys' vec_dot type, so that the evidence is that op's),
+// and the chunk's weights exp(s - its max), their sum and the weighted sum of its values; after a barrier, each item
+// scales its weights by the pair's softmax into the evidence, and each pair's first item combines the chunks' outputs
 void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_tensor * q    = dst->src[0];
     const ggml_tensor * k    = dst->src[1];
@@ -474,15 +587,18 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
     const float alpha   = ggml_get_op_params_f32(dst, 2);
     const bool  norms   = ggml_get_op_params_i32(dst, 3) != 0;
 
-    const int64_t D         = q->ne[0];
-    const int64_t Dv        = v->ne[0];
+    const sfi_fae_work work(dst);
+
+    const int64_t D         = work.D;
+    const int64_t Dv        = work.Dv;
     const int64_t n_tokens  = q->ne[1];
     const int64_t n_head    = q->ne[2];
-    const int64_t ns        = q->ne[3];
-    const int64_t n_kv      = k->ne[1];
+    const int64_t n_kv      = work.n_kv;
     const int64_t n_head_kv = k->ne[2];
     const int64_t n_gqa     = n_head/n_head_kv;
-    const int64_t n_q       = n_gqa*n_tokens;
+    const int64_t n_q       = work.n_q;
+    const int64_t n_chunks  = work.n_chunks;
+    const int64_t n_items   = work.n_pairs*n_chunks;
 
     GGML_ASSERT(q->nb[0] == sizeof(float) && dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
 
@@ -490,95 +606,152 @@ void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * pa
     GGML_ASSERT((k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float) && (v->type == GGML_TYPE_F32 || v_to_float));
 
     float * out  = (float *) dst->data;
-    float * evid = out  + Dv*n_head*n_tokens*ns;
-    float * kn   = evid + n_kv*n_head_kv*ns;
+    float * evid = out  + Dv*n_head*n_tokens*q->ne[3];
+    float * kn   = evid + n_kv*work.n_pairs;
 
     const float s_scale = softcap > 0.0f ? scale/softcap : scale;
 
     const sfi_key_products products(k, D);
 
-    float * scores = (float *) ((char *) params->wdata + params->ith*sfi_fae_bytes_per_thread(dst)); // [n_q][n_kv]
-    float * kf     = scores + n_q*n_kv;
+    float * kf     = work.thread(params->wdata, params->ith);
     float * vf     = kf + D;
-    float * acc    = vf + Dv;       // [n_q][Dv]
-    float * q_sc   = acc + n_q*Dv;  // [n_q][D]
+    float * q_sc   = vf + Dv;          // [n_q][D]
     char  * q_conv = (char *) (q_sc + n_q*D);
+    float * row_s  = (float *) (q_conv + work.q_conv_bytes); // [n_q]
 
-    auto v_row = [&](int64_t c, int64_t h, int64_t b) {
-        const char * p = (const char *) v->data + c*v->nb[1] + h*v->nb[2] + b*v->nb[3];
-        if (v->type == GGML_TYPE_F32) {
-            return (const float *) p;
+    // a thread's items: a contiguous run, mostly chunks of one pair
+    const int64_t item0 = n_items*params->ith/params->nth;
+    const int64_t item1 = n_items*(params->ith + 1)/params->nth;
+
+    int64_t q_pair = -1; // the pair whose query rows q_conv holds
+    for (int64_t item = item0; item < item1; ++item) {
+        const int64_t pair  = item / n_chunks;
+        const int64_t chunk = item % n_chunks;
+        const int64_t h     = pair % n_head_kv;
+        const int64_t b     = pair / n_head_kv;
+        const int64_t c0    = chunk*SFI_FAE_CHUNK;
+        const int64_t c1    = std::min(n_kv, c0 + SFI_FAE_CHUNK);
+
+        if (pair != q_pair) {
+            // row j = g*n_tokens + t: query head h*n_gqa + g at token t
+            for (int64_t j = 0; j < n_q; ++j) {
+                const float * qj = (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] +
+                        (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3]);
+                for (int64_t d = 0; d < D; ++d) {
+                    q_sc[j*D + d] = s_scale*qj[d];
+                }
+                products.set_row(q_conv, j, q_sc + j*D);
+            }
+            q_pair = pair;
         }
-        v_to_float(p, vf, Dv);
-        return (const float *) vf;
-    };
 
-    for (int64_t pair = params->ith; pair < n_head_kv*ns; pair += params->nth) {
+        float * w = work.weights(params->wdata, pair);
+        sfi_cell_scores(products, k, mask, q_conv, n_q, n_tokens, softcap, h, b, c0, c1, w, norms ? kn : nullptr, kf, row_s);
+
+        for (int64_t j = 0; j < n_q; ++j) {
+            float * wj = w + j*n_kv;
+            float max = -INFINITY;
+            for (int64_t c = c0; c < c1; ++c) {
+                max = std::max(max, wj[c]);
+            }
+            float * part = work.part(params->wdata, pair, chunk, j);
+            part[0] = max;
+            if (max == -INFINITY) { // every cell of the chunk excluded
+                std::fill(wj + c0, wj + c1, 0.0f);
+                part[1] = 0.0f;
+            } else {
+                part[1] = (float) ggml_vec_soft_max_f32((int) (c1 - c0), wj + c0, wj + c0, max);
+            }
+            std::fill(part + 2, part + 2 + Dv, 0.0f);
+        }
+
+        for (int64_t c = c0; c < c1; ++c) {
+            const char * vr = (const char *) v->data + c*v->nb[1] + h*v->nb[2] + b*v->nb[3];
+            const float * vr_f32 = (const float *) vr;
+            if (v->type != GGML_TYPE_F32) {
+                sfi_row_to_f32(v->type, vr, vf, Dv);
+                vr_f32 = vf;
+            }
+            for (int64_t j = 0; j < n_q; ++j) {
+                const float wc = w[j*n_kv + c];
+                if (wc != 0.0f) {
+                    ggml_vec_mad_f32((int) Dv, work.part(params->wdata, pair, chunk, j) + 2, vr_f32, wc);
+                }
+            }
+        }
+    }
+
+    ggml_barrier(params->threadpool);
+
+    // each row's softmax over the pair's cells: the max and sum of its chunks'
+    std::vector<float> row_max(n_q), row_inv_sum(n_q);
+    int64_t stats_pair = -1;
+    for (int64_t item = item0; item < item1; ++item) {
+        const int64_t pair  = item / n_chunks;
+        const int64_t chunk = item % n_chunks;
+        const int64_t c0    = chunk*SFI_FAE_CHUNK;
+        const int64_t c1    = std::min(n_kv, c0 + SFI_FAE_CHUNK);
+
+        if (pair != stats_pair) {
+            for (int64_t j = 0; j < n_q; ++j) {
+                float max = -INFINITY;
+                for (int64_t i = 0; i < n_chunks; ++i) {
+                    max = std::max(max, work.part(params->wdata, pair, i, j)[0]);
+                }
+                double sum = 0.0;
+                for (int64_t i = 0; i < n_chunks && max != -INFINITY; ++i) {
+                    const float * part = work.part(params->wdata, pair, i, j);
+                    sum += part[0] == -INFINITY ? 0.0 : (double) part[1]*expf(part[0] - max);
+                }
+                row_max[j]     = max;
+                row_inv_sum[j] = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
+            }
+            stats_pair = pair;
+        }
+
+        // the evidence of the chunk's cells: sum over the rows of p^alpha, p = w*exp(chunk max - row max)/sum
+        const float * w  = work.weights(params->wdata, pair);
+        float       * ev = evid + pair*n_kv;
+        std::fill(ev + c0, ev + c1, 0.0f);
+        for (int64_t j = 0; j < n_q; ++j) {
+            const float m = work.part(params->wdata, pair, chunk, j)[0];
+            if (m == -INFINITY || row_inv_sum[j] == 0.0f) {
+                continue;
+            }
+            const float   f  = expf(m - row_max[j])*row_inv_sum[j];
+            const float * wj = w + j*n_kv;
+            if (alpha == 0.5f) {
+                const float sf = sqrtf(f);
+                for (int64_t c = c0; c < c1; ++c) {
+                    ev[c] += sqrtf(wj[c])*sf;
+                }
+            } else {
+                for (int64_t c = c0; c < c1; ++c) {
+                    const float p = wj[c]*f;
+                    ev[c] += p > 0.0f ? powf(p, alpha) : 0.0f;
+                }
+            }
+        }
+
+        if (chunk != 0) {
+            continue;
+        }
+        // [Dv, n_head, n_tokens, ns]; a row whose cells are all excluded gives zeros
         const int64_t h = pair % n_head_kv;
         const int64_t b = pair / n_head_kv;
-
-        // row j = g*n_tokens + t: query head h*n_gqa + g at token t
-        auto q_row = [&](int64_t j) {
-            return (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] + (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3]);
-        };
-
-        for (int64_t j = 0; j < n_q; ++j) {
-            const float * qj = q_row(j);
-            for (int64_t d = 0; d < D; ++d) {
-                q_sc[j*D + d] = s_scale*qj[d];
-            }
-            products.set_row(q_conv, j, q_sc + j*D);
-        }
-
-        sfi_cell_scores(products, k, mask, q_conv, n_q, n_tokens, softcap, h, b, scores, norms ? kn : nullptr, kf);
-
-        float * ev = evid + (b*n_head_kv + h)*n_kv;
-        std::fill(ev, ev + n_kv, 0.0f);
-        std::fill(acc, acc + n_q*Dv, 0.0f);
-
-        std::vector<float> inv_sum(n_q, 0.0f);
-        for (int64_t j = 0; j < n_q; ++j) {
-            float * sj = scores + j*n_kv;
-
-            float max = -INFINITY;
-            for (int64_t c = 0; c < n_kv; ++c) {
-                max = std::max(max, sj[c]);
-            }
-            double sum = 0.0;
-            for (int64_t c = 0; c < n_kv; ++c) {
-                sj[c] = max == -INFINITY ? 0.0f : expf(sj[c] - max); // the row's weights from here on
-                sum += sj[c];
-            }
-            inv_sum[j] = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
-            // p^alpha
-            const float p_scale = inv_sum[j];
-            for (int64_t c = 0; c < n_kv; ++c) {
-                const float p = sj[c]*p_scale;
-                ev[c] += p > 0.0f ? powf(p, alpha) : 0.0f;
-            }
-        }
-
-        for (int64_t c = 0; c < n_kv; ++c) {
-            const float * vr = v_row(c, h, b);
-            for (int64_t j = 0; j < n_q; ++j) {
-                const float w = scores[j*n_kv + c];
-                if (w == 0.0f) {
-                    continue;
-                }
-                float * a = acc + j*Dv;
-                for (int64_t d = 0; d < Dv; ++d) {
-                    a[d] += w*vr[d];
-                }
-            }
-        }
-
-        // [Dv, n_head, n_tokens, ns]; a row whose cells are all excluded gives zeros
         for (int64_t j = 0; j < n_q; ++j) {
             const int64_t head = h*n_gqa + j/n_tokens;
             const int64_t t    = j % n_tokens;
             float * o = out + ((b*n_tokens + t)*n_head + head)*Dv;
-            for (int64_t d = 0; d < Dv; ++d) {
-                o[d] = acc[j*Dv + d]*inv_sum[j];
+            std::fill(o, o + Dv, 0.0f);
+            if (row_inv_sum[j] == 0.0f) {
+                continue;
+            }
+            for (int64_t i = 0; i < n_chunks; ++i) {
+                const float * part = work.part(params->wdata, pair, i, j);
+                if (part[0] != -INFINITY) {
+                    ggml_vec_mad_f32((int) Dv, o, part + 2, expf(part[0] - row_max[j])*row_inv_sum[j]);
+                }
             }
         }
     }
