@@ -271,9 +271,9 @@ static void perf(ggml_backend_t backend, int64_t n_kv, ggml_type type_kv) {
 }
 
 // a slow step's attention (Qwen3-4B's shape: 32 query heads of 128, 8 KV heads, one token per stream), each layer its
-// own K and V of type_kv, of ns streams of n_kv cells: flash attention alone, flash attention then ggml_sfi_evidence, and
-// ggml_sfi_flash_attn_evidence, which does both from one read of the keys. 36/ns layers (at least one) keep the bytes
-// read about those of 36 layers of one stream; times are printed per 36 layers
+// own K and V of type_kv in a cache's layout, of ns streams of n_kv cells: flash attention alone, flash attention then
+// ggml_sfi_evidence, and ggml_sfi_flash_attn_evidence, which does both from one read of the keys. 36/ns layers (at
+// least one) keep the bytes read about those of 36 layers of one stream; times are printed per 36 layers
 static void perf_attention(ggml_backend_t backend, int64_t n_kv, int64_t ns, ggml_type type_kv) {
     const int64_t D = 128, n_head = 32, n_head_kv = 8, n_layers = std::max<int64_t>(1, 36/ns);
     const float   scale = 1.0f/std::sqrt((float) D);
@@ -284,10 +284,15 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv, int64_t ns, ggm
 
     ggml_tensor * mask = ggml_new_tensor_4d(ctx, GGML_TYPE_F16, n_kv, 1, 1, ns);
     std::vector<ggml_tensor *> qs, ks, vs;
+    // K and V as views of a cache's rows (a cell's heads side by side): [D*n_head_kv, n_kv, ns] -> [D, n_kv, n_head_kv, ns]
+    std::vector<ggml_tensor *> k_stores, v_stores;
+    const size_t hs = ggml_row_size(type_kv, D);
     for (int64_t l = 0; l < n_layers; ++l) {
         qs.push_back(ggml_new_tensor_4d(ctx, GGML_TYPE_F32, D, 1, n_head, ns));
-        ks.push_back(ggml_new_tensor_4d(ctx, type_kv, D, n_kv, n_head_kv, ns));
-        vs.push_back(ggml_new_tensor_4d(ctx, type_kv, D, n_kv, n_head_kv, ns));
+        k_stores.push_back(ggml_new_tensor_3d(ctx, type_kv, D*n_head_kv, n_kv, ns));
+        v_stores.push_back(ggml_new_tensor_3d(ctx, type_kv, D*n_head_kv, n_kv, ns));
+        ks.push_back(ggml_view_4d(ctx, k_stores[l], D, n_kv, n_head_kv, ns, k_stores[l]->nb[1], hs, k_stores[l]->nb[2], 0));
+        vs.push_back(ggml_view_4d(ctx, v_stores[l], D, n_kv, n_head_kv, ns, v_stores[l]->nb[1], hs, v_stores[l]->nb[2], 0));
     }
     ggml_cgraph * g_fa  = ggml_new_graph(ctx);
     ggml_cgraph * g_ev  = ggml_new_graph(ctx);
@@ -323,15 +328,15 @@ static void perf_attention(ggml_backend_t backend, int64_t n_kv, int64_t ns, ggm
         ggml_backend_tensor_set(q, qv.data(), 0, ggml_nbytes(q));
     }
     for (int64_t l = 0; l < n_layers; ++l) {
-        ggml_backend_tensor_memset(ks[l], 0x3a, 0, ggml_nbytes(ks[l])); // every element 0.7 (F16), finite (blocks)
-        ggml_backend_tensor_memset(vs[l], 0x38, 0, ggml_nbytes(vs[l])); // 0.5
+        ggml_backend_tensor_memset(k_stores[l], 0x3a, 0, ggml_nbytes(k_stores[l])); // every element 0.7 (F16), finite (blocks)
+        ggml_backend_tensor_memset(v_stores[l], 0x38, 0, ggml_nbytes(v_stores[l])); // 0.5
     }
     ggml_backend_tensor_memset(mask, 0, 0, ggml_nbytes(mask));
 
     const double ms_fa  = time_graph(backend, g_fa,  10)*per36;
     const double ms_ev  = time_graph(backend, g_ev,  10)*per36;
     const double ms_fae = time_graph(backend, g_fae, 10)*per36;
-    const double gb = 2.0*36*ggml_nbytes(ks[0])/1e9;
+    const double gb = 2.0*36*ggml_nbytes(k_stores[0])/1e9;
     printf("perf %s: attention of 36 layers x %lld streams over n_kv %lld, %s K and V: flash attention %.3f ms (K+V at %.0f GB/s), "
            "+ sfi_evidence %.3f ms, sfi_flash_attn_evidence %.3f ms (K+V at %.0f GB/s)\n", ggml_backend_name(backend),
            (long long) ns, (long long) n_kv, ggml_type_name(type_kv), ms_fa, gb/ms_fa*1e3, ms_ev, ms_fae, gb/ms_fae*1e3);

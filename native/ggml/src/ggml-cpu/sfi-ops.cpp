@@ -31,32 +31,51 @@ static void sfi_row_to_f32(ggml_type t, const char * row, float * y, int64_t n) 
     }
 }
 
+#if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
+#define SFI_DOT_ROWS_SIMD
+// s[r] = x.q_r for R rows q_r of q (n floats each, one after the other), x read once
+template <int R>
+static void sfi_dot_rows_simd(int64_t n, const float * x, const float * q, float * s) {
+    const int64_t n_simd = n - n % GGML_F32_EPR;
+    GGML_F32_VEC acc[R];
+    for (int r = 0; r < R; ++r) {
+        acc[r] = GGML_F32_VEC_ZERO;
+    }
+    for (int64_t d = 0; d < n_simd; d += GGML_F32_EPR) {
+        const GGML_F32_VEC xv = GGML_F32_VEC_LOAD(x + d);
+        for (int r = 0; r < R; ++r) {
+            acc[r] = GGML_F32_VEC_FMA(acc[r], GGML_F32_VEC_LOAD(q + r*n + d), xv);
+        }
+    }
+    float lanes[GGML_F32_EPR];
+    for (int r = 0; r < R; ++r) {
+        GGML_F32_VEC_STORE(lanes, acc[r]);
+        float sum = 0.0f;
+        for (int e = 0; e < GGML_F32_EPR; ++e) {
+            sum += lanes[e];
+        }
+        for (int64_t d = n_simd; d < n; ++d) {
+            sum += x[d]*q[r*n + d];
+        }
+        s[r] = sum;
+    }
+}
+#endif
+
 // s[j] = x.q_j for the n_q rows q_j of q (n floats each, one after the other), x read once per four rows
 static void sfi_dot_rows_f32(int64_t n, const float * x, const float * q, int64_t n_q, float * s) {
     int64_t j = 0;
-#if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
-    const int64_t n_simd = n - n % GGML_F32_EPR;
+#ifdef SFI_DOT_ROWS_SIMD
     for (; j + 4 <= n_q; j += 4) {
-        const float * q0 = q + j*n;
-        GGML_F32_VEC acc[4] = { GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO, GGML_F32_VEC_ZERO };
-        for (int64_t d = 0; d < n_simd; d += GGML_F32_EPR) {
-            const GGML_F32_VEC xv = GGML_F32_VEC_LOAD(x + d);
-            for (int r = 0; r < 4; ++r) {
-                acc[r] = GGML_F32_VEC_FMA(acc[r], GGML_F32_VEC_LOAD(q0 + r*n + d), xv);
-            }
-        }
-        float lanes[GGML_F32_EPR];
-        for (int r = 0; r < 4; ++r) {
-            GGML_F32_VEC_STORE(lanes, acc[r]);
-            float sum = 0.0f;
-            for (int e = 0; e < GGML_F32_EPR; ++e) {
-                sum += lanes[e];
-            }
-            for (int64_t d = n_simd; d < n; ++d) {
-                sum += x[d]*q0[r*n + d];
-            }
-            s[j + r] = sum;
-        }
+        sfi_dot_rows_simd<4>(n, x, q + j*n, s + j);
+    }
+    if (j + 2 <= n_q) {
+        sfi_dot_rows_simd<2>(n, x, q + j*n, s + j);
+        j += 2;
+    }
+    if (j < n_q) {
+        sfi_dot_rows_simd<1>(n, x, q + j*n, s + j);
+        j += 1;
     }
 #endif
     for (; j < n_q; ++j) {
@@ -127,76 +146,6 @@ struct sfi_key_products {
     }
 };
 
-// ggml_sfi_flash_attn_evidence on the CPU cuts each (KV head, stream) pair's cells into chunks of this many, one work
-// item each, so that every thread has work whatever the number of KV heads; the chunks do not depend on the number of
-// threads, and so neither do the results
-static constexpr int64_t SFI_FAE_CHUNK = 1024;
-
-// the fused op's work buffer: shared by the threads, the weights of every query row over every cell of each pair
-// [pair][row][n_kv] and each chunk's partial result [pair][chunk][row] (max, sum, output); then per thread a key and a
-// value as F32, the scaled query rows and those in the keys' vec_dot type
-struct sfi_fae_work {
-    int64_t n_q, n_kv, n_pairs, n_chunks, D, Dv;
-    size_t  q_conv_bytes;
-
-    explicit sfi_fae_work(const ggml_tensor * dst) {
-        const ggml_tensor * q = dst->src[0];
-        const ggml_tensor * k = dst->src[1];
-        const ggml_tensor * v = dst->src[2];
-        n_q          = q->ne[1]*(q->ne[2]/k->ne[2]);
-        n_kv         = k->ne[1];
-        n_pairs      = k->ne[2]*q->ne[3];
-        n_chunks     = (n_kv + SFI_FAE_CHUNK - 1)/SFI_FAE_CHUNK;
-        D            = q->ne[0];
-        Dv           = v->ne[0];
-        q_conv_bytes = sfi_key_products::row_bytes(k->type, D)*n_q;
-    }
-
-    int64_t part_floats() const { return 2 + Dv; }
-
-    size_t shared_bytes() const {
-        return GGML_PAD(sizeof(float)*(n_pairs*n_q*n_kv + n_pairs*n_chunks*n_q*part_floats()), CACHE_LINE_SIZE);
-    }
-
-    size_t thread_bytes() const {
-        return GGML_PAD(sizeof(float)*(D + Dv + n_q*D + n_q) + q_conv_bytes, CACHE_LINE_SIZE);
-    }
-
-    float * weights(void * wdata, int64_t pair) const { return (float *) wdata + pair*n_q*n_kv; }
-
-    float * part(void * wdata, int64_t pair, int64_t chunk, int64_t j) const {
-        return (float *) wdata + n_pairs*n_q*n_kv + ((pair*n_chunks + chunk)*n_q + j)*part_floats();
-    }
-
-    float * thread(void * wdata, int ith) const { return (float *) ((char *) wdata + shared_bytes() + ith*thread_bytes()); }
-};
-
-// per thread: the scores of every query row of one (head, batch) pair, those rows in the keys' vec_dot type, and a
-// key as F32 (for its norm)
-static size_t sfi_evidence_bytes_per_thread(const ggml_tensor * dst) {
-    const ggml_tensor * q = dst->src[0];
-    const ggml_tensor * k = dst->src[1];
-    return GGML_PAD(sizeof(float)*q->ne[1]*k->ne[1] + sfi_key_products::row_bytes(k->type, q->ne[0])*q->ne[1] +
-            sizeof(float)*(q->ne[0] + q->ne[1]), CACHE_LINE_SIZE);
-}
-
-size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
-    switch (node->op) {
-        case GGML_OP_SFI_FLASH_ATTN_EVIDENCE:
-            {
-                const sfi_fae_work work(node);
-                return work.shared_bytes() + work.thread_bytes()*n_tasks;
-            }
-        case GGML_OP_SFI_EVIDENCE:
-            return sfi_evidence_bytes_per_thread(node)*n_tasks;
-        case GGML_OP_SFI_TOP_K:
-            return GGML_PAD(sizeof(int32_t)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks; // a row's indices
-        case GGML_OP_SFI_CANDIDATE_SCORES:
-            return GGML_PAD(sizeof(float)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks;   // a row's weights
-        default:
-            return 0;
-    }
-}
 
 // the norm of a key row of k's type (buf: n_embd floats, for a type other than F32; holding the row as F32 already when
 // converted)
@@ -213,100 +162,318 @@ static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf
     return norm;
 }
 
-// the scores of a KV head's n_q query rows (q_conv: sfi_key_products::set_row) over the cells [c0, c1) of (head h,
-// batch b), as flash attention defines them, softcap*tanh(q.k) + mask (row j's mask row: j % n_mask_rows), into
-// scores[j*n_kv + c]; with kn each key's norm at kn[(b*n_kv + c)*n_head_kv + h] (k_f32: n_embd floats; row_s: n_q)
-static void sfi_cell_scores(const sfi_key_products & products, const ggml_tensor * k, const ggml_tensor * mask, const char * q_conv,
-        int64_t n_q, int64_t n_mask_rows, float softcap, int64_t h, int64_t b, int64_t c0, int64_t c1, float * scores,
-        float * kn, float * k_f32, float * row_s) {
-    const int64_t n_kv      = k->ne[1];
-    const int64_t n_head_kv = k->ne[2];
+// ggml_sfi_evidence and ggml_sfi_flash_attn_evidence on the CPU, as flash decoding over chunks of cells. A cache holds a
+// cell's keys (and values) of every KV head in one row, so a work item is a chunk of one stream's cells with all of
+// their heads: the rows are read in order, and every thread has work whatever the number of KV heads. The chunks do not
+// depend on the number of threads, and so neither do the results.
+//   1. per item: the scores of each head's query rows (as ggml's flash attention defines them, softcap*tanh(q.k) +
+//      mask, with the query rows rounded to the keys' vec_dot type as mul_mat and flash attention take them), the
+//      key norms, the chunk's weights exp(s - its max), their sum, and for attention the weighted sum of its values;
+//   2. per (stream, KV head) pair: each row's softmax over its chunks, and for attention the combined output;
+//   3. per item: the evidence, the sum over the rows of p^alpha.
+static constexpr int64_t SFI_CHUNK = 256;
 
-    for (int64_t c = c0; c < c1; ++c) {
-        const char * k_row = (const char *) k->data + c*k->nb[1] + h*k->nb[2] + b*k->nb[3];
-        products.dots(k_row, q_conv, n_q, row_s, k_f32);
-        for (int64_t j = 0; j < n_q; ++j) {
-            float s = row_s[j];
-            if (softcap > 0.0f) {
-                s = softcap*tanhf(s);
-            }
-            scores[j*n_kv + c] = s + sfi_mask_value(mask, c, j % n_mask_rows, b);
+struct sfi_chunked_attention {
+    const ggml_tensor * q;
+    const ggml_tensor * k;
+    const ggml_tensor * v; // nullptr: the evidence op
+    const ggml_tensor * mask;
+
+    float softcap;
+    float alpha;
+    float q_scale;       // the evidence op's rows come scaled
+    bool  norms;
+
+    int64_t D, Dv, n_q, n_head_kv, n_streams, n_kv, n_chunks;
+    int64_t n_tokens;    // attention: query row j = g*n_tokens + t is query head h*n_gqa + g at token t
+    int64_t n_gqa;
+    int64_t n_mask_rows; // row j takes mask row j % n_mask_rows
+
+    size_t q_row_bytes;
+
+    explicit sfi_chunked_attention(const ggml_tensor * dst) : q(dst->src[0]), k(dst->src[1]) {
+        D         = q->ne[0];
+        n_kv      = k->ne[1];
+        n_head_kv = k->ne[2];
+        n_chunks  = (n_kv + SFI_CHUNK - 1)/SFI_CHUNK;
+        if (dst->op == GGML_OP_SFI_FLASH_ATTN_EVIDENCE) {
+            v           = dst->src[2];
+            mask        = dst->src[3];
+            const float scale = ggml_get_op_params_f32(dst, 0);
+            softcap     = ggml_get_op_params_f32(dst, 1);
+            alpha       = ggml_get_op_params_f32(dst, 2);
+            norms       = ggml_get_op_params_i32(dst, 3) != 0;
+            q_scale     = softcap > 0.0f ? scale/softcap : scale;
+            Dv          = v->ne[0];
+            n_tokens    = q->ne[1];
+            n_gqa       = q->ne[2]/n_head_kv;
+            n_q         = n_gqa*n_tokens;
+            n_streams   = q->ne[3];
+            n_mask_rows = n_tokens;
+        } else {
+            // q [n_embd, n_q, n_head_kv, nb]: the rows grouped by KV head
+            v           = nullptr;
+            mask        = dst->src[2];
+            n_mask_rows = ggml_get_op_params_i32(dst, 0);
+            alpha       = ggml_get_op_params_f32(dst, 1);
+            softcap     = ggml_get_op_params_f32(dst, 2);
+            norms       = ggml_get_op_params_i32(dst, 3) != 0;
+            q_scale     = 1.0f;
+            Dv          = 0;
+            n_tokens    = q->ne[1];
+            n_gqa       = 1;
+            n_q         = q->ne[1];
+            n_streams   = k->ne[3];
         }
-        if (kn) {
-            kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(k, k_row, k_f32, products.f32_rows);
+        q_row_bytes = sfi_key_products::row_bytes(k->type, D);
+    }
+
+    int64_t n_pairs() const { return n_streams*n_head_kv; }
+    int64_t n_items() const { return n_streams*n_chunks; }
+    int64_t part_floats() const { return 2 + Dv; }
+
+    // the work buffer, shared: the weights [pair][row][n_kv], the chunks' partial results [pair][chunk][row] (max, sum,
+    // output), each row's max and 1/sum [pair][row]; then per thread a key and a value as F32, a row's products, the
+    // scaled query rows of a head and the rows of every head in the keys' vec_dot type
+    size_t shared_bytes() const {
+        return GGML_PAD(sizeof(float)*(n_pairs()*n_q*(n_kv + n_chunks*part_floats() + 2)), CACHE_LINE_SIZE);
+    }
+    size_t thread_bytes() const {
+        return GGML_PAD(sizeof(float)*(D + Dv + n_q + D) + q_row_bytes*n_head_kv*n_q, CACHE_LINE_SIZE);
+    }
+
+    float * weights(void * wdata, int64_t pair) const { return (float *) wdata + pair*n_q*n_kv; }
+    float * part(void * wdata, int64_t pair, int64_t chunk, int64_t j) const {
+        return (float *) wdata + n_pairs()*n_q*n_kv + ((pair*n_chunks + chunk)*n_q + j)*part_floats();
+    }
+    float * stats(void * wdata, int64_t pair, int64_t j) const {
+        return (float *) wdata + n_pairs()*n_q*(n_kv + n_chunks*part_floats()) + (pair*n_q + j)*2;
+    }
+    float * thread(void * wdata, int ith) const { return (float *) ((char *) wdata + shared_bytes() + ith*thread_bytes()); }
+
+    const float * q_row(int64_t j, int64_t h, int64_t b) const {
+        return v ? (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] + (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3])
+                 : (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]);
+    }
+};
+
+// [begin, end) of n items for this thread
+static void sfi_thread_range(const ggml_compute_params * params, int64_t n, int64_t & begin, int64_t & end) {
+    begin = n*params->ith/params->nth;
+    end   = n*(params->ith + 1)/params->nth;
+}
+
+// out: the attention output [Dv, n_head, n_tokens, ns] (nullptr for the evidence op); evid: the evidence
+// [n_kv, n_head_kv, ns], then the key norms [n_head_kv, n_kv, ns] when asked for
+static void sfi_compute_chunked_attention(const ggml_compute_params * params, const sfi_chunked_attention & a, float * out,
+        float * evid) {
+    const int64_t n_q       = a.n_q;
+    const int64_t n_kv      = a.n_kv;
+    const int64_t n_head_kv = a.n_head_kv;
+    const int64_t n_chunks  = a.n_chunks;
+    const int64_t Dv        = a.Dv;
+    void * wdata = params->wdata;
+
+    GGML_ASSERT(a.q->nb[0] == sizeof(float));
+    GGML_ASSERT(!a.norms || a.k->type == GGML_TYPE_F32 || ggml_get_type_traits(a.k->type)->to_float);
+    GGML_ASSERT(!a.v || a.v->type == GGML_TYPE_F32 || ggml_get_type_traits(a.v->type)->to_float);
+
+    const sfi_key_products products(a.k, a.D);
+
+    float * kf     = a.thread(wdata, params->ith);
+    float * vf     = kf + a.D;
+    float * row_s  = vf + Dv;
+    float * q_sc   = row_s + n_q;
+    char  * q_conv = (char *) (q_sc + a.D); // [head][row]
+
+    float * kn = a.norms ? evid + a.n_pairs()*n_kv : nullptr;
+
+    int64_t i0, i1;
+    sfi_thread_range(params, a.n_items(), i0, i1);
+    int64_t q_stream = -1; // the stream whose query rows q_conv holds
+    for (int64_t item = i0; item < i1; ++item) {
+        const int64_t b  = item / n_chunks;
+        const int64_t ch = item % n_chunks;
+        const int64_t c0 = ch*SFI_CHUNK;
+        const int64_t c1 = std::min(n_kv, c0 + SFI_CHUNK);
+
+        if (b != q_stream) {
+            for (int64_t h = 0; h < n_head_kv; ++h) {
+                for (int64_t j = 0; j < n_q; ++j) {
+                    const float * qj = a.q_row(j, h, b);
+                    for (int64_t d = 0; d < a.D; ++d) {
+                        q_sc[d] = a.q_scale*qj[d];
+                    }
+                    products.set_row(q_conv + h*n_q*a.q_row_bytes, j, q_sc);
+                }
+            }
+            q_stream = b;
+        }
+
+        for (int64_t c = c0; c < c1; ++c) {
+            for (int64_t h = 0; h < n_head_kv; ++h) {
+                const char * k_row = (const char *) a.k->data + c*a.k->nb[1] + h*a.k->nb[2] + b*a.k->nb[3];
+                products.dots(k_row, q_conv + h*n_q*a.q_row_bytes, n_q, row_s, kf);
+                float * w = a.weights(wdata, b*n_head_kv + h);
+                for (int64_t j = 0; j < n_q; ++j) {
+                    const float s = a.softcap > 0.0f ? a.softcap*tanhf(row_s[j]) : row_s[j];
+                    w[j*n_kv + c] = s + sfi_mask_value(a.mask, c, j % a.n_mask_rows, b);
+                }
+                if (kn) {
+                    kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(a.k, k_row, kf, products.f32_rows);
+                }
+            }
+        }
+
+        // each row's weights exp(s - the chunk's max), the chunk's max and sum
+        for (int64_t h = 0; h < n_head_kv; ++h) {
+            const int64_t pair = b*n_head_kv + h;
+            float * w = a.weights(wdata, pair);
+            for (int64_t j = 0; j < n_q; ++j) {
+                float * wj = w + j*n_kv;
+                float max = -INFINITY;
+                for (int64_t c = c0; c < c1; ++c) {
+                    max = std::max(max, wj[c]);
+                }
+                float * part = a.part(wdata, pair, ch, j);
+                part[0] = max;
+                if (max == -INFINITY) { // every cell of the chunk excluded
+                    std::fill(wj + c0, wj + c1, 0.0f);
+                    part[1] = 0.0f;
+                } else {
+                    part[1] = (float) ggml_vec_soft_max_f32((int) (c1 - c0), wj + c0, wj + c0, max);
+                }
+                std::fill(part + 2, part + 2 + Dv, 0.0f);
+            }
+        }
+
+        if (a.v) {
+            for (int64_t c = c0; c < c1; ++c) {
+                for (int64_t h = 0; h < n_head_kv; ++h) {
+                    const int64_t pair = b*n_head_kv + h;
+                    const char * vr = (const char *) a.v->data + c*a.v->nb[1] + h*a.v->nb[2] + b*a.v->nb[3];
+                    const float * vr_f32 = (const float *) vr;
+                    if (a.v->type != GGML_TYPE_F32) {
+                        sfi_row_to_f32(a.v->type, vr, vf, Dv);
+                        vr_f32 = vf;
+                    }
+                    const float * w = a.weights(wdata, pair);
+                    for (int64_t j = 0; j < n_q; ++j) {
+                        const float wc = w[j*n_kv + c];
+                        if (wc != 0.0f) {
+                            ggml_vec_mad_f32((int) Dv, a.part(wdata, pair, ch, j) + 2, vr_f32, wc);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    ggml_barrier(params->threadpool);
+
+    // each row's softmax over its pair's chunks; the attention output combined from the chunks'
+    sfi_thread_range(params, a.n_pairs(), i0, i1);
+    for (int64_t pair = i0; pair < i1; ++pair) {
+        for (int64_t j = 0; j < n_q; ++j) {
+            float max = -INFINITY;
+            for (int64_t i = 0; i < n_chunks; ++i) {
+                max = std::max(max, a.part(wdata, pair, i, j)[0]);
+            }
+            double sum = 0.0;
+            for (int64_t i = 0; i < n_chunks && max != -INFINITY; ++i) {
+                const float * part = a.part(wdata, pair, i, j);
+                sum += part[0] == -INFINITY ? 0.0 : (double) part[1]*expf(part[0] - max);
+            }
+            const float inv_sum = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
+            float * st = a.stats(wdata, pair, j);
+            st[0] = max;
+            st[1] = inv_sum;
+
+            if (!out) {
+                continue;
+            }
+            // [Dv, n_head, n_tokens, ns]; a row whose cells are all excluded gives zeros
+            const int64_t h = pair % n_head_kv;
+            const int64_t b = pair / n_head_kv;
+            const int64_t n_head = n_head_kv*a.n_gqa;
+            float * o = out + ((b*a.n_tokens + j % a.n_tokens)*n_head + h*a.n_gqa + j/a.n_tokens)*Dv;
+            std::fill(o, o + Dv, 0.0f);
+            for (int64_t i = 0; i < n_chunks && inv_sum != 0.0f; ++i) {
+                const float * part = a.part(wdata, pair, i, j);
+                if (part[0] != -INFINITY) {
+                    ggml_vec_mad_f32((int) Dv, o, part + 2, expf(part[0] - max)*inv_sum);
+                }
+            }
+        }
+    }
+
+    ggml_barrier(params->threadpool);
+
+    // the evidence: p = w*exp(chunk max - row max)/sum
+    sfi_thread_range(params, a.n_items(), i0, i1);
+    for (int64_t item = i0; item < i1; ++item) {
+        const int64_t b  = item / n_chunks;
+        const int64_t ch = item % n_chunks;
+        const int64_t c0 = ch*SFI_CHUNK;
+        const int64_t c1 = std::min(n_kv, c0 + SFI_CHUNK);
+        for (int64_t h = 0; h < n_head_kv; ++h) {
+            const int64_t pair = b*n_head_kv + h;
+            const float * w  = a.weights(wdata, pair);
+            float       * ev = evid + pair*n_kv;
+            std::fill(ev + c0, ev + c1, 0.0f);
+            for (int64_t j = 0; j < n_q; ++j) {
+                const float   m  = a.part(wdata, pair, ch, j)[0];
+                const float * st = a.stats(wdata, pair, j);
+                if (m == -INFINITY || st[1] == 0.0f) {
+                    continue;
+                }
+                const float   f  = expf(m - st[0])*st[1];
+                const float * wj = w + j*n_kv;
+                if (a.alpha == 0.5f) {
+                    const float sf = sqrtf(f);
+                    for (int64_t c = c0; c < c1; ++c) {
+                        ev[c] += sqrtf(wj[c])*sf;
+                    }
+                } else {
+                    for (int64_t c = c0; c < c1; ++c) {
+                        const float p = wj[c]*f;
+                        ev[c] += p > 0.0f ? powf(p, a.alpha) : 0.0f;
+                    }
+                }
+            }
         }
     }
 }
 
-// one thread per (head, batch) pair at a time: the scores of every row, their max and sum, then the evidence. The
-// products are the CPU's own (the query rows converted to the keys' vec_dot type, as mul_mat and flash attention do),
-// so the probabilities are those of the attention the step computed
+// the evidence [n_kv, n_head_kv, nb], then the key norms
 void ggml_compute_forward_sfi_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * q    = dst->src[0];
-    const ggml_tensor * k    = dst->src[1];
-    const ggml_tensor * mask = dst->src[2];
-
-    const int32_t n_rows  = ggml_get_op_params_i32(dst, 0);
-    const float   alpha   = ggml_get_op_params_f32(dst, 1);
-    const float   softcap = ggml_get_op_params_f32(dst, 2);
-    const bool    norms   = ggml_get_op_params_i32(dst, 3) != 0;
-
-    const int64_t n_embd    = q->ne[0];
-    const int64_t n_q       = q->ne[1];
-    const int64_t n_head_kv = k->ne[2];
-    const int64_t n_kv      = k->ne[1];
-    const int64_t nb        = k->ne[3];
-
-    GGML_ASSERT(q->nb[0] == sizeof(float));
-    GGML_ASSERT(k->nb[0] == ggml_type_size(k->type));
+    GGML_ASSERT(dst->src[1]->nb[0] == ggml_type_size(dst->src[1]->type));
     GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+    sfi_compute_chunked_attention(params, sfi_chunked_attention(dst), nullptr, (float *) dst->data);
+}
 
-    const sfi_key_products products(k, n_embd);
+// the output [Dv, n_head, n_tokens, ns], then the evidence and key norms as ggml_sfi_evidence gives them
+void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
+    GGML_ASSERT(dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
+    const sfi_chunked_attention a(dst);
+    float * out = (float *) dst->data;
+    sfi_compute_chunked_attention(params, a, out, out + a.Dv*a.n_head_kv*a.n_gqa*a.n_tokens*a.n_streams);
+}
 
-    char  * work   = (char *) params->wdata + params->ith*sfi_evidence_bytes_per_thread(dst);
-    float * scores = (float *) work;
-    char  * q_conv = work + sizeof(float)*n_q*n_kv;
-    float * k_f32  = (float *) (q_conv + products.q_row_size*n_q);
-    float * row_s  = k_f32 + n_embd;
-
-    GGML_ASSERT(!norms || k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float);
-
-    // the key norms [n_head_kv, n_kv, nb] after the evidence
-    float * kn = norms ? (float *) ((char *) dst->data + dst->nb[3]) : nullptr;
-
-    for (int64_t pair = params->ith; pair < n_head_kv*nb; pair += params->nth) {
-        const int64_t h = pair % n_head_kv;
-        const int64_t b = pair / n_head_kv;
-
-        for (int64_t j = 0; j < n_q; ++j) {
-            products.set_row(q_conv, j, (const float *) ((const char *) q->data + j*q->nb[1] + h*q->nb[2] + b*q->nb[3]));
-        }
-
-        sfi_cell_scores(products, k, mask, q_conv, n_q, n_rows, softcap, h, b, 0, n_kv, scores, kn, k_f32, row_s);
-
-        float * evid = (float *) ((char *) dst->data + h*dst->nb[1] + b*dst->nb[2]);
-        std::fill(evid, evid + n_kv, 0.0f);
-
-        for (int64_t j = 0; j < n_q; ++j) {
-            const float * sj = scores + j*n_kv;
-
-            float max = -INFINITY;
-            for (int64_t c = 0; c < n_kv; ++c) {
-                max = std::max(max, sj[c]);
+size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
+    switch (node->op) {
+        case GGML_OP_SFI_FLASH_ATTN_EVIDENCE:
+        case GGML_OP_SFI_EVIDENCE:
+            {
+                const sfi_chunked_attention a(node);
+                return a.shared_bytes() + a.thread_bytes()*n_tasks;
             }
-            if (max == -INFINITY) {
-                continue; // every cell excluded
-            }
-            double sum = 0.0;
-            for (int64_t c = 0; c < n_kv; ++c) {
-                sum += expf(sj[c] - max);
-            }
-            // p^alpha = exp(alpha*(s - max)) / sum^alpha
-            const float scale = (float) std::pow(sum, -(double) alpha);
-            for (int64_t c = 0; c < n_kv; ++c) {
-                evid[c] += expf(alpha*(sj[c] - max))*scale;
-            }
-        }
+        case GGML_OP_SFI_TOP_K:
+            return GGML_PAD(sizeof(int32_t)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks; // a row's indices
+        case GGML_OP_SFI_CANDIDATE_SCORES:
+            return GGML_PAD(sizeof(float)*node->src[0]->ne[0], CACHE_LINE_SIZE)*n_tasks;   // a row's weights
+        default:
+            return 0;
     }
 }
 
@@ -568,191 +735,5 @@ void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml
 
         memcpy((char *) dst->data + sl[i]*dst->nb[1] + j*dst->nb[2] + l*dst->nb[3],
                (const char *) src->data + c*src->nb[1] + j*src->nb[2] + l*src->nb[3], row);
-    }
-}
-
-// flash decoding over chunks of cells: each work item (a pair of KV head and stream, a chunk of its cells) computes the
-// scores of the group's query rows as ggml's flash attention defines them, softcap*tanh(scale/softcap*q.k) + mask, with
-// ggml_sfi_evidence's products (the scaled query rows in the keys' vec_dot type, so that the evidence is that op's),
-// and the chunk's weights exp(s - its max), their sum and the weighted sum of its values; after a barrier, each item
-// scales its weights by the pair's softmax into the evidence, and each pair's first item combines the chunks' outputs
-void ggml_compute_forward_sfi_flash_attn_evidence(const ggml_compute_params * params, ggml_tensor * dst) {
-    const ggml_tensor * q    = dst->src[0];
-    const ggml_tensor * k    = dst->src[1];
-    const ggml_tensor * v    = dst->src[2];
-    const ggml_tensor * mask = dst->src[3];
-
-    const float scale   = ggml_get_op_params_f32(dst, 0);
-    const float softcap = ggml_get_op_params_f32(dst, 1);
-    const float alpha   = ggml_get_op_params_f32(dst, 2);
-    const bool  norms   = ggml_get_op_params_i32(dst, 3) != 0;
-
-    const sfi_fae_work work(dst);
-
-    const int64_t D         = work.D;
-    const int64_t Dv        = work.Dv;
-    const int64_t n_tokens  = q->ne[1];
-    const int64_t n_head    = q->ne[2];
-    const int64_t n_kv      = work.n_kv;
-    const int64_t n_head_kv = k->ne[2];
-    const int64_t n_gqa     = n_head/n_head_kv;
-    const int64_t n_q       = work.n_q;
-    const int64_t n_chunks  = work.n_chunks;
-    const int64_t n_items   = work.n_pairs*n_chunks;
-
-    GGML_ASSERT(q->nb[0] == sizeof(float) && dst->type == GGML_TYPE_F32 && ggml_is_contiguous(dst));
-
-    const ggml_to_float_t v_to_float = ggml_get_type_traits(v->type)->to_float;
-    GGML_ASSERT((k->type == GGML_TYPE_F32 || ggml_get_type_traits(k->type)->to_float) && (v->type == GGML_TYPE_F32 || v_to_float));
-
-    float * out  = (float *) dst->data;
-    float * evid = out  + Dv*n_head*n_tokens*q->ne[3];
-    float * kn   = evid + n_kv*work.n_pairs;
-
-    const float s_scale = softcap > 0.0f ? scale/softcap : scale;
-
-    const sfi_key_products products(k, D);
-
-    float * kf     = work.thread(params->wdata, params->ith);
-    float * vf     = kf + D;
-    float * q_sc   = vf + Dv;          // [n_q][D]
-    char  * q_conv = (char *) (q_sc + n_q*D);
-    float * row_s  = (float *) (q_conv + work.q_conv_bytes); // [n_q]
-
-    // a thread's items: a contiguous run, mostly chunks of one pair
-    const int64_t item0 = n_items*params->ith/params->nth;
-    const int64_t item1 = n_items*(params->ith + 1)/params->nth;
-
-    int64_t q_pair = -1; // the pair whose query rows q_conv holds
-    for (int64_t item = item0; item < item1; ++item) {
-        const int64_t pair  = item / n_chunks;
-        const int64_t chunk = item % n_chunks;
-        const int64_t h     = pair % n_head_kv;
-        const int64_t b     = pair / n_head_kv;
-        const int64_t c0    = chunk*SFI_FAE_CHUNK;
-        const int64_t c1    = std::min(n_kv, c0 + SFI_FAE_CHUNK);
-
-        if (pair != q_pair) {
-            // row j = g*n_tokens + t: query head h*n_gqa + g at token t
-            for (int64_t j = 0; j < n_q; ++j) {
-                const float * qj = (const float *) ((const char *) q->data + (j % n_tokens)*q->nb[1] +
-                        (h*n_gqa + j/n_tokens)*q->nb[2] + b*q->nb[3]);
-                for (int64_t d = 0; d < D; ++d) {
-                    q_sc[j*D + d] = s_scale*qj[d];
-                }
-                products.set_row(q_conv, j, q_sc + j*D);
-            }
-            q_pair = pair;
-        }
-
-        float * w = work.weights(params->wdata, pair);
-        sfi_cell_scores(products, k, mask, q_conv, n_q, n_tokens, softcap, h, b, c0, c1, w, norms ? kn : nullptr, kf, row_s);
-
-        for (int64_t j = 0; j < n_q; ++j) {
-            float * wj = w + j*n_kv;
-            float max = -INFINITY;
-            for (int64_t c = c0; c < c1; ++c) {
-                max = std::max(max, wj[c]);
-            }
-            float * part = work.part(params->wdata, pair, chunk, j);
-            part[0] = max;
-            if (max == -INFINITY) { // every cell of the chunk excluded
-                std::fill(wj + c0, wj + c1, 0.0f);
-                part[1] = 0.0f;
-            } else {
-                part[1] = (float) ggml_vec_soft_max_f32((int) (c1 - c0), wj + c0, wj + c0, max);
-            }
-            std::fill(part + 2, part + 2 + Dv, 0.0f);
-        }
-
-        for (int64_t c = c0; c < c1; ++c) {
-            const char * vr = (const char *) v->data + c*v->nb[1] + h*v->nb[2] + b*v->nb[3];
-            const float * vr_f32 = (const float *) vr;
-            if (v->type != GGML_TYPE_F32) {
-                sfi_row_to_f32(v->type, vr, vf, Dv);
-                vr_f32 = vf;
-            }
-            for (int64_t j = 0; j < n_q; ++j) {
-                const float wc = w[j*n_kv + c];
-                if (wc != 0.0f) {
-                    ggml_vec_mad_f32((int) Dv, work.part(params->wdata, pair, chunk, j) + 2, vr_f32, wc);
-                }
-            }
-        }
-    }
-
-    ggml_barrier(params->threadpool);
-
-    // each row's softmax over the pair's cells: the max and sum of its chunks'
-    std::vector<float> row_max(n_q), row_inv_sum(n_q);
-    int64_t stats_pair = -1;
-    for (int64_t item = item0; item < item1; ++item) {
-        const int64_t pair  = item / n_chunks;
-        const int64_t chunk = item % n_chunks;
-        const int64_t c0    = chunk*SFI_FAE_CHUNK;
-        const int64_t c1    = std::min(n_kv, c0 + SFI_FAE_CHUNK);
-
-        if (pair != stats_pair) {
-            for (int64_t j = 0; j < n_q; ++j) {
-                float max = -INFINITY;
-                for (int64_t i = 0; i < n_chunks; ++i) {
-                    max = std::max(max, work.part(params->wdata, pair, i, j)[0]);
-                }
-                double sum = 0.0;
-                for (int64_t i = 0; i < n_chunks && max != -INFINITY; ++i) {
-                    const float * part = work.part(params->wdata, pair, i, j);
-                    sum += part[0] == -INFINITY ? 0.0 : (double) part[1]*expf(part[0] - max);
-                }
-                row_max[j]     = max;
-                row_inv_sum[j] = sum > 0.0 ? (float) (1.0/sum) : 0.0f;
-            }
-            stats_pair = pair;
-        }
-
-        // the evidence of the chunk's cells: sum over the rows of p^alpha, p = w*exp(chunk max - row max)/sum
-        const float * w  = work.weights(params->wdata, pair);
-        float       * ev = evid + pair*n_kv;
-        std::fill(ev + c0, ev + c1, 0.0f);
-        for (int64_t j = 0; j < n_q; ++j) {
-            const float m = work.part(params->wdata, pair, chunk, j)[0];
-            if (m == -INFINITY || row_inv_sum[j] == 0.0f) {
-                continue;
-            }
-            const float   f  = expf(m - row_max[j])*row_inv_sum[j];
-            const float * wj = w + j*n_kv;
-            if (alpha == 0.5f) {
-                const float sf = sqrtf(f);
-                for (int64_t c = c0; c < c1; ++c) {
-                    ev[c] += sqrtf(wj[c])*sf;
-                }
-            } else {
-                for (int64_t c = c0; c < c1; ++c) {
-                    const float p = wj[c]*f;
-                    ev[c] += p > 0.0f ? powf(p, alpha) : 0.0f;
-                }
-            }
-        }
-
-        if (chunk != 0) {
-            continue;
-        }
-        // [Dv, n_head, n_tokens, ns]; a row whose cells are all excluded gives zeros
-        const int64_t h = pair % n_head_kv;
-        const int64_t b = pair / n_head_kv;
-        for (int64_t j = 0; j < n_q; ++j) {
-            const int64_t head = h*n_gqa + j/n_tokens;
-            const int64_t t    = j % n_tokens;
-            float * o = out + ((b*n_tokens + t)*n_head + head)*Dv;
-            std::fill(o, o + Dv, 0.0f);
-            if (row_inv_sum[j] == 0.0f) {
-                continue;
-            }
-            for (int64_t i = 0; i < n_chunks; ++i) {
-                const float * part = work.part(params->wdata, pair, i, j);
-                if (part[0] != -INFINITY) {
-                    ggml_vec_mad_f32((int) Dv, o, part + 2, expf(part[0] - row_max[j])*row_inv_sum[j]);
-                }
-            }
-        }
     }
 }
