@@ -127,6 +127,8 @@ def test_budgets_variants_and_table():
     assert policy_config("interval32", 2048, 256).policy_params.refresh_interval == 32
     both = policy_config("redecode_interval32", 2048, 256)
     assert both.redecode_tail and both.policy_params.refresh_interval == 32 and both.k_head == 2048
+    window = policy_config("redecode_recent512", 2048, 256)
+    assert window.redecode_tail and (window.n_recent, window.k_head) == (512, 1792)
     with pytest.raises(ValueError, match="recent512"):
         policy_config("recent512", 128, 64)
     records = [{"model": "m.gguf", "task": "agreement", "context": 8192, "case_id": "0", "policy": p,

@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "SFIConfig.redecode_tail; delay4, delay16: the default trigger, each selection used 4 or "
                         "16 steps after its slow step (SFIConfig.selection_delay); recent512: a recent window of "
                         "512 at the same budget (k_head 256 lower); interval32: a refresh at the latest every 32 "
-                        "steps (refresh_interval); redecode_interval32: both redecode and interval32")
+                        "steps (refresh_interval); redecode_interval32, redecode_recent512: redecode with interval32 or recent512")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")

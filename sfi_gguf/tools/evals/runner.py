@@ -44,10 +44,11 @@ VARIANTS = {
     "recent512": ("punctuation", {"n_recent": 512}),
     "interval32": ("punctuation", {"refresh_interval": 32}),
     "redecode_interval32": ("punctuation", {"redecode_tail": True, "refresh_interval": 32}),
+    "redecode_recent512": ("punctuation", {"redecode_tail": True, "n_recent": 512}),
 }
 #: every name a run may ask for, in table order
-ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "delay4",
-                "delay16", "paper", "fixed", "fixed16", "static", "sink_recent")
+ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
+                "delay4", "delay16", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
