@@ -20,6 +20,8 @@
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
 #   kv-on-host-bench (sfi-gguf bench --kv-on-host: dense with host KV, SFI with host KV, dense with the KV in VRAM;
 #   $SFI_KVH_RUNS, default "qwen3-4b:f16:32768,131072", e.g. "qwen3-8b:q4_k_m:131072,262144"; SFI_BENCH_N),
+#   keep-graphs-bench (graph keeping on and off: single at $SFI_BENCH_DEPTHS, batched $SFI_KEEP_BATCHES, default 4:32768,
+#   synchronised and --stagger 1),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)
 # Results go to $OUT (the device tool brings them back, as results.tgz when there are more than 8) or .gpu-out/.
 set -uo pipefail
@@ -199,9 +201,31 @@ if [[ " $stages " == *" kv-on-host-bench "* ]]; then
     for run in ${SFI_KVH_RUNS:-qwen3-4b:f16:32768,131072}; do
         IFS=: read -r shape wt depths <<< "$run"
         log "sfi-gguf bench --kv-on-host: the KV cache in host memory ($shape shape, $wt, depths $depths)"
+        # (the output as it comes, also into $OUT: a run cut short by the call's limit still tells how far it got)
         python3 -m sfi_gguf.cli bench -m $shape --weight-type $wt --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
             --kv-on-host --depths ${depths//,/ } -n ${SFI_BENCH_N:-128} ${SFI_BENCH_ARGS:-} \
-            --json "$OUT/bench-h200-$shape-$wt-kv-on-host${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load:" | tail -12
+            --json "$OUT/bench-h200-$shape-$wt-kv-on-host${SFI_BENCH_TAG:-}.json" 2>&1 | grep --line-buffered -v "^load:" \
+            | tee -a "$OUT/kv-on-host.log"
+    done
+fi
+if [[ " $stages " == *" keep-graphs-bench "* ]]; then
+    # graph keeping on and off: single sequence (a variant on the same context) at $SFI_BENCH_DEPTHS, and
+    # $SFI_KEEP_BATCHES (default 4:32768) batched, refreshes synchronised and staggered (--stagger 1)
+    log "sfi-gguf bench: graph keeping on and off (Qwen3-4B shape, F16)"
+    python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+        --depths ${SFI_BENCH_DEPTHS:-32768 131072} -n ${SFI_BENCH_N:-256} --variant keep_graphs=off \
+        --json "$OUT/bench-h200-qwen3-4b-f16-keep-graphs${SFI_BENCH_TAG:-}.json" 2>&1 | grep --line-buffered -v "^load:" \
+        | tee -a "$OUT/keep-graphs.log"
+    for bd in ${SFI_KEEP_BATCHES:-4:32768}; do
+        b=${bd%%:*}; d=${bd##*:}
+        for stagger in 0 1; do
+            for keep in on off; do
+                python3 -m sfi_gguf.cli bench -m qwen3-4b --weight-type f16 --vocab-source "$PWD/.gpu/vocab.gguf" -ngl 99 \
+                    --batch "$b" --depths "$d" -n ${SFI_BENCH_N:-256} --stagger $stagger --keep-graphs $keep \
+                    --json "$OUT/bench-h200-qwen3-4b-f16-batch$b-$d-stagger$stagger-keep-graphs-$keep${SFI_BENCH_TAG:-}.json" \
+                    2>&1 | grep --line-buffered -v "^load:" | tee -a "$OUT/keep-graphs.log" | tail -2
+            done
+        done
     done
 fi
 if [[ " $stages " == *" host-profile "* ]]; then
