@@ -233,13 +233,13 @@ struct sfi_chunked_attention {
     int64_t part_floats() const { return 2 + Dv; }
 
     // the work buffer, shared: the weights [pair][row][n_kv], the chunks' partial results [pair][chunk][row] (max, sum,
-    // output), each row's max and 1/sum [pair][row]; then per thread a key and a value as F32, a row's products, the
-    // scaled query rows of a head and the rows of every head in the keys' vec_dot type
+    // output), each row's max and 1/sum [pair][row]; then per thread a key and a value as F32, a key's products, a
+    // cell's mask values, a scaled query row and the rows of every head in the keys' vec_dot type
     size_t shared_bytes() const {
         return GGML_PAD(sizeof(float)*(n_pairs()*n_q*(n_kv + n_chunks*part_floats() + 2)), CACHE_LINE_SIZE);
     }
     size_t thread_bytes() const {
-        return GGML_PAD(sizeof(float)*(D + Dv + n_q + D) + q_row_bytes*n_head_kv*n_q, CACHE_LINE_SIZE);
+        return GGML_PAD(sizeof(float)*(D + Dv + 2*n_q + D) + q_row_bytes*n_head_kv*n_q, CACHE_LINE_SIZE);
     }
 
     float * weights(void * wdata, int64_t pair) const { return (float *) wdata + pair*n_q*n_kv; }
@@ -283,7 +283,8 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
     float * kf     = a.thread(wdata, params->ith);
     float * vf     = kf + a.D;
     float * row_s  = vf + Dv;
-    float * q_sc   = row_s + n_q;
+    float * mask_c = row_s + n_q;  // a cell's mask value for each row (the same for every head)
+    float * q_sc   = mask_c + n_q;
     char  * q_conv = (char *) (q_sc + a.D); // [head][row]
 
     float * kn = a.norms ? evid + a.n_pairs()*n_kv : nullptr;
@@ -311,13 +312,16 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
         }
 
         for (int64_t c = c0; c < c1; ++c) {
+            for (int64_t j = 0; j < n_q; ++j) {
+                mask_c[j] = j < a.n_mask_rows ? sfi_mask_value(a.mask, c, j, b) : mask_c[j % a.n_mask_rows];
+            }
             for (int64_t h = 0; h < n_head_kv; ++h) {
                 const char * k_row = (const char *) a.k->data + c*a.k->nb[1] + h*a.k->nb[2] + b*a.k->nb[3];
                 products.dots(k_row, q_conv + h*n_q*a.q_row_bytes, n_q, row_s, kf);
                 float * w = a.weights(wdata, b*n_head_kv + h);
                 for (int64_t j = 0; j < n_q; ++j) {
                     const float s = a.softcap > 0.0f ? a.softcap*tanhf(row_s[j]) : row_s[j];
-                    w[j*n_kv + c] = s + sfi_mask_value(a.mask, c, j % a.n_mask_rows, b);
+                    w[j*n_kv + c] = s + mask_c[j];
                 }
                 if (kn) {
                     kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(a.k, k_row, kf, products.f32_rows);
