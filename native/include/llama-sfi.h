@@ -57,6 +57,7 @@ extern "C" {
 #define LLAMA_SFI_ERR_UNSUPPORTED  -6 // > 1 sequence in a unified cache, unsupported cache/model
 #define LLAMA_SFI_ERR_ALLOC        -7 // could not allocate the view
 #define LLAMA_SFI_ERR_NO_SELECTION -8 // no selection of a SLOW step to load (none ran, a decode or an edit since)
+#define LLAMA_SFI_ERR_NO_QUERIES   -9 // no FAST decode kept its queries to export from (llama_sfi_seq_capture_queries)
 
     // Version of this API: bumped whenever a llama_sfi_* call or struct changes, so that a caller binding the
     // calls by name (ctypes) can refuse a library it does not match.
@@ -289,6 +290,42 @@ extern "C" {
     //   LLAMA_SFI_ERR_BAD_ARG:     ctx NULL, seq outside [0, n_seq_max), n < 0, pos NULL with n > 0
     //   LLAMA_SFI_ERR_UNSUPPORTED: the context has no KV cache SFI works on
     LLAMA_API int32_t llama_sfi_get_cell_pos(const struct llama_context * ctx, llama_seq_id seq, int32_t * pos, int32_t n);
+
+    // The refresh of a cache in host memory off the decoding thread: the evidence of a token is computed on the CPU
+    // over the host cache while the device decodes the next FAST steps, instead of in a SLOW step.
+    //
+    // llama_sfi_seq_capture_queries: the next FAST decode of seq also keeps its last token's queries of every covered
+    // layer, scaled as its attention scales them. Returns 0, LLAMA_SFI_ERR_NOT_INIT, or LLAMA_SFI_ERR_BAD_ARG for seq
+    // outside [0, n_seq_max).
+    LLAMA_API int32_t llama_sfi_seq_capture_queries(struct llama_context * ctx, llama_seq_id seq);
+
+    struct llama_sfi_host_export;
+
+    // After that decode: a job that holds those queries and the cells of seq the token attended to (positions up to
+    // its own), for llama_sfi_host_export_compute. n_candidates as llama_sfi_set_n_candidates (0: every cell). NULL
+    // with *err (may be NULL) set to
+    //   LLAMA_SFI_ERR_NOT_INIT
+    //   LLAMA_SFI_ERR_BAD_ARG:      seq outside [0, n_seq_max), n_candidates < 0
+    //   LLAMA_SFI_ERR_UNSUPPORTED:  the cache is not in host memory, or evidence_alpha is 0
+    //   LLAMA_SFI_ERR_NO_QUERIES:   seq's last decode kept no queries (no capture asked, or it was not FAST)
+    LLAMA_API struct llama_sfi_host_export * llama_sfi_seq_host_export_begin(struct llama_context * ctx, llama_seq_id seq,
+            int32_t n_candidates, int32_t * err);
+
+    // The job's export on the CPU with n_threads threads, on any thread: what a SLOW step of the token would export
+    // (llama_sfi_seq_get_evidence, llama_sfi_seq_get_key_norms, llama_sfi_seq_get_candidates), computed from the
+    // captured queries over the cache's keys. The cells the job reads must keep their keys until it returns: the
+    // context may decode meanwhile (new tokens take other cells), but no edit of seq's cells. Returns 0,
+    // LLAMA_SFI_ERR_BAD_ARG (job NULL, n_threads < 1) or LLAMA_SFI_ERR_ALLOC.
+    LLAMA_API int32_t llama_sfi_host_export_compute(struct llama_sfi_host_export * job, int32_t n_threads);
+
+    // The computed export, [n_layers][n_head_kv][n_cells] ([n_layers][n_cells] for the candidates, NULL when every
+    // cell is exported, column i then being cell i), owned by the job; NULL (and the outputs 0) before compute.
+    LLAMA_API const float   * llama_sfi_host_export_evidence  (const struct llama_sfi_host_export * job, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
+    LLAMA_API const float   * llama_sfi_host_export_key_norms (const struct llama_sfi_host_export * job, int32_t * n_layers, int32_t * n_head_kv, int32_t * n_cells);
+    LLAMA_API const int32_t * llama_sfi_host_export_candidates(const struct llama_sfi_host_export * job, int32_t * n_layers, int32_t * n_cells);
+
+    // frees the job (NULL: no-op); not while its compute runs
+    LLAMA_API void llama_sfi_host_export_free(struct llama_sfi_host_export * job);
 
     // LLAMA_SFI_STATUS_* bits of seq (LAST_FAST and FELL_BACK_DENSE: of the last llama_decode() that held seq); 0 for
     // a NULL ctx, no SFI state, or seq outside [0, n_seq_max).

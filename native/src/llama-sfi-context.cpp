@@ -53,6 +53,8 @@ llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache *
     exports.resize(this->view->streams.size());
     modes.assign(this->view->streams.size(), LLAMA_SFI_MODE_DENSE);
     status.assign(this->view->streams.size(), 0);
+    capture_next.assign(this->view->streams.size(), 0);
+    queries.resize(this->view->streams.size());
     kv->set_sfi(this->view);
 
     // a MIXED ubatch for each stream that refreshes alone, one with all of them, and one more
@@ -86,6 +88,7 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
 
         // the exports of a sequence last until its next decode
         exports[s].valid = false;
+        queries[s].valid = false;
         status[s] = 0;
 
         const auto & st = view->streams[s];
@@ -106,6 +109,9 @@ void llama_sfi_context::decode_begin(const llama_batch & batch) {
                 break;
         }
         view->stream_steps[s] = step;
+
+        view->streams[s].capture = capture_next[s] && step == LLAMA_SFI_STEP_FAST;
+        capture_next[s] = 0;
 
         view->step = first || view->step == step ? step : LLAMA_SFI_STEP_MIXED;
         first = false;
@@ -201,6 +207,41 @@ uint32_t llama_sfi_context::n_graph_nodes() const {
 void llama_sfi_context::extract(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
     for (const auto & run : res.runs) {
         extract_run(sched, run, ubatch);
+    }
+    if (!res.queries.empty()) {
+        extract_queries(sched, res, ubatch);
+    }
+}
+
+void llama_sfi_context::extract_queries(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch) {
+    const int64_t ns = res.query_streams.size();
+
+    GGML_ASSERT(ns > 0 && ubatch.n_tokens % ns == 0);
+
+    const uint32_t n_tps = ubatch.n_tokens/ns;
+
+    ggml_backend_sched_synchronize(sched);
+
+    std::vector<float> buf;
+    for (int64_t j = 0; j < ns; ++j) {
+        const uint32_t s = res.query_streams[j];
+        if (!view->streams[s].capture) {
+            continue;
+        }
+        auto & qs = queries[s];
+        qs.valid = true;
+        qs.pos   = ubatch.pos[j*n_tps + n_tps - 1];
+        qs.n_head.assign(res.queries.size(), 0);
+        qs.q.resize(res.queries.size());
+        for (size_t i = 0; i < res.queries.size(); ++i) {
+            const ggml_tensor * t = res.queries[i];
+            GGML_ASSERT(t && t->type == GGML_TYPE_F32 && t->ne[2] == ns);
+            const size_t n = t->ne[0]*t->ne[1];
+            qs.n_embd_head = t->ne[0];
+            qs.n_head[i]   = t->ne[1];
+            qs.q[i].resize(n);
+            ggml_backend_tensor_get(t, qs.q[i].data(), j*t->nb[2], n*sizeof(float));
+        }
     }
 }
 

@@ -87,6 +87,16 @@ struct llama_sfi_export {
     void reset();
 };
 
+// the queries of one stream's last token in a FAST decode that captured them (llama_sfi_seq_capture_queries)
+struct llama_sfi_queries {
+    bool      valid = false;
+    llama_pos pos   = -1; // the token's position
+
+    int64_t n_embd_head = 0;
+    std::vector<int64_t>            n_head; // per covered layer
+    std::vector<std::vector<float>> q;      // per covered layer, [n_embd_head, n_head] scaled (llama_sfi_capture_queries)
+};
+
 // SFI state of a llama_context
 struct llama_sfi_context {
     llama_sfi_context(const llama_model & model, llama_kv_cache * kv, std::shared_ptr<llama_sfi_view> view, const llama_sfi_params & params);
@@ -105,6 +115,9 @@ struct llama_sfi_context {
     std::vector<uint32_t> status; // per stream: LLAMA_SFI_STATUS_LAST_FAST / FELL_BACK_DENSE of its last decode
 
     std::vector<llama_sfi_export> exports; // per stream, from the last SLOW decode of its sequence
+
+    std::vector<uint8_t>           capture_next; // per stream: its next FAST decode keeps its queries
+    std::vector<llama_sfi_queries> queries;      // per stream, from the last decode of its sequence that kept them
 
     llama_sfi_fast_graphs fast_graphs; // the scheduler and graphs of the FAST steps
     llama_sfi_kept_graphs kept_graphs; // the graphs of the SLOW and MIXED ubatches, by their mix of steps
@@ -157,5 +170,6 @@ private:
     host_ints cells_buf;
 
     void extract_run(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
+    void extract_queries(ggml_backend_sched_t sched, const llama_sfi_graph_result & res, const llama_ubatch & ubatch);
     void extract_selection(ggml_backend_sched_t sched, const llama_sfi_run_export & res, const llama_ubatch & ubatch);
 };

@@ -336,6 +336,30 @@ static ggml_tensor * llama_sfi_build_export(
     return attn;
 }
 
+// FAST that captures: the last token's queries of each stream of the ubatch, q [n_embd_head, n_head, n_tokens] ->
+// F32 [n_embd_head, n_head, ns] scaled as the evidence op takes them (llama_sfi_host_export reads them)
+static void llama_sfi_capture_queries(ggml_context * ctx, ggml_cgraph * gf, llama_sfi_graph_result & res,
+        const llama_sfi_plan & plan, const llama_hparams & hparams, ggml_tensor * q, float kq_scale, int il) {
+    const int32_t i = plan.view.layer_index(il);
+    if (i < 0) {
+        return;
+    }
+
+    const int64_t ns    = plan.streams.size();
+    const int64_t n_tps = q->ne[2]/ns;
+    const float   cap   = hparams.attn_soft_cap ? hparams.f_attn_logit_softcapping : 0.0f;
+
+    ggml_tensor * last = ggml_view_3d(ctx, q, q->ne[0], q->ne[1], ns, q->nb[1], n_tps*q->nb[2], (n_tps - 1)*q->nb[2]);
+    ggml_tensor * t    = ggml_scale(ctx, ggml_cont(ctx, last), cap > 0.0f ? kq_scale/cap : kq_scale);
+    ggml_set_output(t);
+    ggml_format_name(t, "sfi_queries-%d", il);
+    ggml_build_forward_expand(gf, t);
+
+    res.queries.resize(plan.view.layers.size(), nullptr);
+    res.queries[i]    = t;
+    res.query_streams = plan.streams;
+}
+
 ggml_tensor * llama_sfi_build_attn(
         ggml_context * ctx,
          ggml_cgraph * gf,
@@ -352,6 +376,9 @@ ggml_tensor * llama_sfi_build_attn(
                  int   il,
         const llama_sfi_attn_fn & attn) {
     const llama_sfi_plan * plan = mctx ? mctx->get_sfi() : nullptr;
+    if (plan && plan->capturing) {
+        llama_sfi_capture_queries(ctx, gf, res, *plan, hparams, q, kq_scale, il);
+    }
     if (!plan || (!plan->mixed() && !plan->exporting)) {
         return attn(q, k, v, kq_mask);
     }

@@ -174,6 +174,10 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
         }
     }
 
+    if (plan->capturing) {
+        mix(LLAMA_SFI_STEP_FAST | 1u << 8); // (its queries are outputs)
+    }
+
     if (plan->exporting) {
         // the Selector's parameters are constants of the graph
         const uint64_t selector = view->selector.k_head > 0 ? 1 + (uint64_t) (view->selector_gen & 0xffffff) : 0;

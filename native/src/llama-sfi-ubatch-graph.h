@@ -82,6 +82,11 @@ struct llama_sfi_graph_result {
     std::vector<ggml_tensor *> key_norms; // per covered layer: every cell's key norms once the step took the new ones
 
     ggml_tensor * kq = nullptr; // the probabilities of the last attention without flash attention (the export takes them)
+
+    // FAST that captures (llama_sfi_plan::capturing): per covered layer, F32 [n_embd_head, n_head, ns] the last token's
+    // queries of each stream of the ubatch (query_streams, in ubatch order), scaled as the evidence op takes them
+    std::vector<ggml_tensor *> queries;
+    std::vector<uint32_t>      query_streams;
 };
 
 // whether the backend of storage (the tensor op reads) has op; RPC reports every op as supported without asking its

@@ -500,6 +500,10 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
     }
     ubatch_step = runs.size() == 1 ? runs[0].step : LLAMA_SFI_STEP_MIXED;
     exporting   = any_slow && exports[u];
+    capturing   = false;
+    for (const uint32_t s : streams) {
+        capturing |= ubatch_step == LLAMA_SFI_STEP_FAST && view.streams[s].capture;
+    }
 
     for (uint32_t j = 0; j < sinfo.n_stream(); ++j) {
         view.note_written(sinfo.strm[j], sinfo.idxs[j]);

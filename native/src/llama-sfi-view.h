@@ -69,6 +69,8 @@ struct llama_sfi_view {
 
         int64_t n_in_range = 0; // SLOW with the device Selector: cells in the Selector's range (set with the inputs)
 
+        bool capture = false; // the decode in progress, FAST, keeps its last token's queries (llama_sfi_seq_capture_queries)
+
         // the key norms in layer::kn hold for the cells below kn_upto, except kn_stale (written since): a SLOW
         // step that exports key norms takes the others' (llama_sfi_plan::kn_cells) when its inputs are set
         uint32_t              kn_upto = 0;
@@ -222,6 +224,7 @@ struct llama_sfi_plan {
     // the ubatch being processed (apply)
     llama_sfi_step ubatch_step = LLAMA_SFI_STEP_DENSE; // its streams' step, MIXED when they differ
     bool exporting = false; // some stream is SLOW, and the ubatch ends one of the batch's sequences
+    bool capturing = false; // FAST, and some stream keeps its last token's queries (stream::capture)
     uint32_t s0 = 0;
     uint32_t s1 = 0;
 

@@ -2,6 +2,7 @@
 #include "llama-sfi.h"
 
 #include "llama-sfi-context.h"
+#include "llama-sfi-host-export.h"
 #include "llama-sfi-view.h"
 
 #include "llama-impl.h"
@@ -16,7 +17,7 @@
 #include <cstring>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 15
+#define LLAMA_SFI_API_VERSION 16
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -304,6 +305,48 @@ int32_t llama_sfi_seq_load_selection(struct llama_context * ctx, llama_seq_id se
     auto * sfi = ctx->get_sfi();
 
     return sfi->load_selection(sfi->view->stream_of(seq));
+}
+
+int32_t llama_sfi_seq_capture_queries(struct llama_context * ctx, llama_seq_id seq) {
+    if (!ctx || !ctx->get_sfi()) {
+        return LLAMA_SFI_ERR_NOT_INIT;
+    }
+
+    if (seq < 0 || (uint32_t) seq >= ctx->get_cparams().n_seq_max) {
+        return LLAMA_SFI_ERR_BAD_ARG;
+    }
+
+    auto * sfi = ctx->get_sfi();
+    sfi->capture_next[sfi->view->stream_of(seq)] = 1;
+
+    return 0;
+}
+
+struct llama_sfi_host_export * llama_sfi_seq_host_export_begin(struct llama_context * ctx, llama_seq_id seq,
+        int32_t n_candidates, int32_t * err) {
+    if (!ctx || !ctx->get_sfi()) {
+        if (err) {
+            *err = LLAMA_SFI_ERR_NOT_INIT;
+        }
+        return nullptr;
+    }
+
+    if (seq < 0 || (uint32_t) seq >= ctx->get_cparams().n_seq_max || n_candidates < 0) {
+        if (err) {
+            *err = LLAMA_SFI_ERR_BAD_ARG;
+        }
+        return nullptr;
+    }
+
+    try {
+        return llama_sfi_host_export_new(*ctx->get_sfi(), seq, n_candidates, err);
+    } catch (const std::exception & e) {
+        LLAMA_LOG_ERROR("%s: %s\n", __func__, e.what());
+        if (err) {
+            *err = LLAMA_SFI_ERR_ALLOC;
+        }
+        return nullptr;
+    }
 }
 
 float llama_sfi_seq_selection_overlap(const struct llama_context * ctx, llama_seq_id seq) {

@@ -41,6 +41,7 @@ ERR_COUNT = -5
 ERR_UNSUPPORTED = -6
 ERR_ALLOC = -7
 ERR_NO_SELECTION = -8
+ERR_NO_QUERIES = -9
 
 _ERROR_TEXT = {
     ERR_NOT_INIT: "SFI is not initialized on this context (llama_sfi_init not called, or freed)",
@@ -51,6 +52,7 @@ _ERROR_TEXT = {
     ERR_UNSUPPORTED: "unsupported context (several sequences in a unified KV cache, or an unsupported model/cache)",
     ERR_ALLOC: "could not allocate the compact buffers",
     ERR_NO_SELECTION: "no slow-step selection to load (none ran, or the sequence was decoded or edited since)",
+    ERR_NO_QUERIES: "no fast step kept its queries (none was asked to, or the sequence was decoded or edited since)",
 }
 
 
@@ -133,6 +135,14 @@ _seq_selection_size = _bind("llama_sfi_seq_selection_size", [_ctx_p, ctypes.c_in
 _seq_get_n_query_rows = _bind("llama_sfi_seq_get_n_query_rows", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
 _get_cell_pos = _bind("llama_sfi_get_cell_pos", [_ctx_p, ctypes.c_int32, _i32p, ctypes.c_int32], ctypes.c_int32)
 _seq_status = _bind("llama_sfi_seq_status", [_ctx_p, ctypes.c_int32], ctypes.c_uint32)
+_seq_capture_queries = _bind("llama_sfi_seq_capture_queries", [_ctx_p, ctypes.c_int32], ctypes.c_int32)
+_seq_host_export_begin = _bind("llama_sfi_seq_host_export_begin", [_ctx_p, ctypes.c_int32, ctypes.c_int32, _i32p],
+                               ctypes.c_void_p)
+_host_export_compute = _bind("llama_sfi_host_export_compute", [ctypes.c_void_p, ctypes.c_int32], ctypes.c_int32)
+_host_export_evidence = _bind("llama_sfi_host_export_evidence", [ctypes.c_void_p, _i32p, _i32p, _i32p], _f32p)
+_host_export_key_norms = _bind("llama_sfi_host_export_key_norms", [ctypes.c_void_p, _i32p, _i32p, _i32p], _f32p)
+_host_export_candidates = _bind("llama_sfi_host_export_candidates", [ctypes.c_void_p, _i32p, _i32p], _i32p)
+_host_export_free = _bind("llama_sfi_host_export_free", [ctypes.c_void_p], None)
 
 
 class llama_sfi_memory(ctypes.Structure):
@@ -364,12 +374,73 @@ class SFINative:
     def n_query_rows(self, seq: int = 0) -> int:
         return _check("llama_sfi_seq_get_n_query_rows", _seq_get_n_query_rows(self.ctx, seq))
 
+    def capture_queries(self, seq: int = 0) -> None:
+        """seq's next fast decode also keeps its token's queries, for `host_export`."""
+        _check("llama_sfi_seq_capture_queries", _seq_capture_queries(self.ctx, seq))
+
+    def host_export(self, n_candidates: int, seq: int = 0) -> "HostExport | None":
+        """The job that computes, over a cache in host memory, the export of seq's last token from the queries its
+        fast decode kept (`capture_queries`); None when that decode kept none (it ran dense, or none was asked)."""
+        err = ctypes.c_int32()
+        job = _seq_host_export_begin(self.ctx, seq, int(n_candidates), ctypes.byref(err))
+        if not job:
+            if err.value == ERR_NO_QUERIES:
+                return None
+            raise SFIError("llama_sfi_seq_host_export_begin", err.value)
+        return HostExport(job)
+
     def cell_pos(self, seq: int = 0) -> np.ndarray:
         """Position of every cell in seq (-1: empty or another sequence), int32 [kv_size]."""
         n = _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, None, 0))
         out = np.empty(n, dtype=np.int32)
         _check("llama_sfi_get_cell_pos", _get_cell_pos(self.ctx, seq, out.ctypes.data_as(_i32p), n))
         return out
+
+
+class HostExport:
+    """A token's export over a cache in host memory, computed on the CPU by `compute` on any thread (ctypes
+    releases the GIL) while the context decodes on: what a slow step of that token would export, from the queries
+    its fast step kept. Its cells' keys must stay until `compute` returns (no edit of the sequence meanwhile)."""
+
+    def __init__(self, job: int):
+        self._job = job
+
+    def compute(self, n_threads: int) -> None:
+        _check("llama_sfi_host_export_compute", _host_export_compute(self._job, int(n_threads)))
+
+    def _values(self, fn) -> np.ndarray | None:
+        nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
+        ptr = fn(self._job, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nc))
+        if not ptr:
+            return None
+        out = np.empty((nl.value, nh.value, nc.value), dtype=np.float32)
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
+
+    def evidence(self) -> np.ndarray | None:
+        """[n_layers, n_head_kv, n_cells] once computed (None before)."""
+        return self._values(_host_export_evidence)
+
+    def key_norms(self) -> np.ndarray | None:
+        return self._values(_host_export_key_norms)
+
+    def candidates(self) -> np.ndarray | None:
+        """int32 [n_layers, n_cells]: the cells of the columns (None: every cell, column i is cell i)."""
+        nl, nc = ctypes.c_int32(), ctypes.c_int32()
+        ptr = _host_export_candidates(self._job, ctypes.byref(nl), ctypes.byref(nc))
+        if not ptr:
+            return None
+        out = np.empty((nl.value, nc.value), dtype=np.int32)
+        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+        return out
+
+    def close(self) -> None:
+        if self._job:
+            _host_export_free(self._job)
+            self._job = None
+
+    def __del__(self):
+        self.close()
 
 
 class DeviceSelection:
@@ -403,7 +474,7 @@ class SFISequence:
 
     PER_SEQUENCE = frozenset({"status", "set_selection", "load_selection", "selection_overlap", "mass", "evidence",
                               "key_norms", "candidates", "selection", "selection_size", "n_query_rows", "cell_pos",
-                              "set_mode"})
+                              "set_mode", "capture_queries", "host_export"})
     SHARED = frozenset({"params", "n_layers", "n_head_kv", "set_n_query_rows"})
 
     def __init__(self, native: SFINative, seq: int):

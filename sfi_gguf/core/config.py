@@ -73,6 +73,16 @@ class SFIConfig:
     but the fast steps in between read a stale memory, which lowers agreement with dense decoding, so
     it is off by default."""
 
+    async_refresh: bool = False
+    """With the KV cache in host memory (`kv_on_host`), a refresh runs off the decoding thread: the trigger's
+    step is a fast one that also keeps its token's queries, and the CPU computes that token's evidence over
+    the host cache and runs the Selector in a worker thread while the GPU decodes fast steps with the loaded
+    selection; the new selection is loaded once ready (at most 64 steps later, `plan.ASYNC_MAX_DELAY`, waiting
+    for it then), or exactly `selection_delay` steps later when that is set (outputs then do not depend on thread
+    timing). A trigger that comes while a refresh is computed is skipped. The GPU never runs a dense step over
+    the host cache after the bootstrap, at the price of a stale memory for the steps in between (measured:
+    BENCHMARKS.md, "The speed options' quality price"). Needs a cache in host memory."""
+
     redecode_tail: bool = False
     """A slow step decodes again, densely, the tokens that fast steps wrote since the last refresh, in one
     ubatch with its own token, so that their keys and values are dense ones (a fast step's KV comes from
@@ -159,6 +169,9 @@ class SFIConfig:
         for name in ("device_selector", "fused_ops", "fa_evidence", "keep_graphs"):
             need(getattr(self, name) is None or type(getattr(self, name)) is bool, name, "must be None, True or False")
         need(type(self.redecode_tail) is bool, "redecode_tail", "must be True or False")
+        need(type(self.async_refresh) is bool, "async_refresh", "must be True or False")
+        need(not (self.async_refresh and self.redecode_tail), "async_refresh",
+             "cannot be combined with redecode_tail (an asynchronous refresh decodes no slow step)")
         need(isinstance(self.policy, str) and self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
         need(isinstance(self.selector, str) and self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")
         need(type(self.policy_params) is POLICIES[self.policy].Params, "policy_params",

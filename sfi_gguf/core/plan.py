@@ -41,6 +41,11 @@ CPU_MIN_CONTEXT = 2048
 # pays from here (BENCHMARKS.md, "Where batched SFI starts on a GPU").
 GPU_BATCHED_MIN_CONTEXT = 32768
 
+# An asynchronous refresh (SFIConfig.async_refresh) is loaded once ready, and at most this many fast steps after its
+# trigger (the decoding thread then waits for it): the bound keeps the cells that enter the selection's range
+# meanwhile, which the load keeps as recent ones, within the view's capacity
+ASYNC_MAX_DELAY = 64
+
 
 def scaled_k_head(n_context: int) -> int:
     """The default k_head of a context of `n_context` cells: a quarter of it, rounded down to a multiple of 64, at
@@ -92,6 +97,14 @@ class ExecOptions:
     refresh_layer_groups: int = 1
     n_prefill_queries: int = 16
     redecode_tail: bool = False
+    async_refresh: bool = False
+
+    @property
+    def max_selection_delay(self) -> int:
+        """Fast steps after which a refresh's selection is loaded at the latest (0: before the next step)."""
+        if self.async_refresh and not self.selection_delay:
+            return ASYNC_MAX_DELAY
+        return self.selection_delay
 
     def min_context_at(self, budget: Budget, n_context: int) -> int:
         """Context length below which decoding stays dense, for a context of `n_context` cells."""
@@ -188,7 +201,7 @@ def options_of(config) -> ExecOptions:
     return ExecOptions(min_context=config.min_context, device_selector=bool(config.device_selector),
                        n_candidates=config.n_candidates, selection_delay=config.selection_delay,
                        refresh_layer_groups=config.refresh_layer_groups, n_prefill_queries=config.n_prefill_queries,
-                       redecode_tail=config.redecode_tail)
+                       redecode_tail=config.redecode_tail, async_refresh=config.async_refresh)
 
 
 def resolve_plan(config, n_ctx: int, offloaded: bool = False, batched: bool = False,
@@ -215,7 +228,8 @@ def resolve_plan(config, n_ctx: int, offloaded: bool = False, batched: bool = Fa
     # a delayed selection keeps every cell that entered its range since it was chosen as recent
     # (SFIStepper._refresh_from_export): at most the delay, a full tail (a slow step skips the cheap refresh) and
     # the slow step's token beyond n_recent
-    stretch = config.selection_delay + n_tail_max + 1 if config.selection_delay else 0
+    delay = options.max_selection_delay
+    stretch = delay + n_tail_max + 1 if delay else 0
     fa_evidence = None if config.fa_evidence is None else int(config.fa_evidence)
     native = NativeParams(n_sel_max=min(n_ctx, budget.n_sink + budget.k_head_at(n_ctx) + budget.n_recent + stretch),
                           n_tail_max=n_tail_max, n_query_rows=min(n_ctx, config.n_prefill_queries),

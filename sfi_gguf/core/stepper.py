@@ -15,6 +15,7 @@ selection whose tail fills up) refresh cheaply: the same cells, a new recent win
 """
 from __future__ import annotations
 
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,6 +29,10 @@ from .generate import GenerationStats
 from .plan import SFIPlan
 from .policy import MemoryMode, TriggerPolicy
 from .selector import AttentionExport, CandidateRange, DeviceSelectorParams, Selector
+
+# threads of an asynchronous refresh's export on the CPU (async_refresh): all cores but those of the decoding thread
+# and of the fast steps' host part (their tokens' K/V written to the host cache)
+HOST_EXPORT_THREADS = max(1, (os.cpu_count() or 2) - 2)
 
 
 @runtime_checkable
@@ -82,7 +87,9 @@ class SFIStats:
     t_slow: float = 0.0
     t_selector: float = 0.0         # on the decoding thread
     t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (selection_delay > 0)
-    n_async: int = 0                # selections computed in the background (selection_delay > 0)
+    n_async: int = 0                # selections computed in the background (selection_delay > 0, async_refresh)
+    n_host_refresh: int = 0         # refreshes computed on the CPU over a host cache while fast steps ran (async_refresh)
+    n_refresh_skipped: int = 0      # triggers that came while such a refresh was still computed
     n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
     n_group_refresh: int = 0        # of them, refreshes of one group of layers (refresh_layer_groups)
 
@@ -137,6 +144,7 @@ class SFIStepper:
         self._executor: ThreadPoolExecutor | None = None
         self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
         self._reason: str | None = None   # why the planned slow step fires
+        self._capturing = False           # the planned fast step keeps its queries for an asynchronous refresh
 
     def _wants_sparse(self, n_context: int) -> bool:
         return self.policy.memory is not MemoryMode.DENSE and not self.sfi_plan.stays_dense(n_context)
@@ -210,7 +218,7 @@ class SFIStepper:
         sequences, grouped by kind, between the two.
         """
         self._n_step += 1
-        if self._pending is not None and self._n_step >= self._load_at:
+        if self._pending is not None and (self._n_step >= self._load_at or self._loads_when_ready()):
             self._load_pending()
         if self._top1 is not None:  # the distribution `token` came from: still sure?
             self.policy.observe_confidence(self._top1)
@@ -227,6 +235,15 @@ class SFIStepper:
                 return "dense"
         if self._sparse and not slow and self._tail >= self.native.params["n_tail_max"]:
             self._cheap_refresh()
+        if slow and self.options.async_refresh and self._selected is not None:
+            # the refresh runs on the host from this fast step's queries (_start_host_refresh)
+            if self._pending is not None:
+                self.stats.n_refresh_skipped += 1
+            else:
+                self.native.capture_queries()
+                self._capturing = True
+                self._reason = reason
+            return "fast"
         if slow:
             if self._pending is not None:  # a slow step overwrites the export the Selector reads
                 self._load_pending()
@@ -256,6 +273,9 @@ class SFIStepper:
                 self.stats.n_fell_back += 1
                 self._sparse = False
                 self.native.set_mode(SFINative.DENSE)
+            elif self._capturing:
+                self._start_host_refresh()
+            self._capturing = False
         self._note_logits()
 
     def _note_logits(self) -> None:
@@ -354,6 +374,49 @@ class SFIStepper:
             return
         self._use_selection(self.selector.select(export, candidates, k_head), positions)
         self.stats.t_selector += time.perf_counter() - t0
+
+    def _loads_when_ready(self) -> bool:
+        """An asynchronous refresh without a fixed delay is loaded as soon as its worker is done."""
+        return self.options.async_refresh and not self.options.selection_delay and self._pending.done()
+
+    def _start_host_refresh(self) -> None:
+        """The refresh of `async_refresh`: the export of the token the fast step just decoded, computed on the CPU
+        over the host cache from the queries that step kept, and the Selector's choice on it, in a worker thread;
+        fast steps keep the loaded selection until `_load_pending` loads the new one."""
+        t0 = time.perf_counter()
+        n_context = len(self.ctx.tokens)
+        job = self.native.host_export(self.sfi_plan.n_candidates_at(n_context))
+        if job is None:  # the step did not keep its queries (it ran dense): the next trigger refreshes
+            return
+        positions = self._positions()
+        candidates = self.budget.candidates_at(n_context)
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
+        self._pending = self._executor.submit(self._host_select, job, positions, candidates,
+                                              self.budget.k_head_at(n_context))
+        self._load_at = self._n_step + 1 + self.options.max_selection_delay
+        self.policy.note_refresh()
+        self.stats.n_async += 1
+        self.stats.n_host_refresh += 1
+        if self._reason:
+            self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
+        self.stats.t_selector += time.perf_counter() - t0
+
+    def _host_select(self, job, positions: np.ndarray, candidates: CandidateRange, k_head: int):
+        """The worker's half of an asynchronous refresh: the export over the host cache, then the Selector."""
+        t0 = time.perf_counter()
+        try:
+            job.compute(HOST_EXPORT_THREADS)
+            evidence = job.evidence()
+            cells = job.candidates()
+            where = {"positions": positions[:evidence.shape[2]]} if cells is None else {"positions": positions,
+                                                                                           "cells": cells}
+            export = AttentionExport(evidence=evidence, key_norms=job.key_norms(), n_rows=self._group_size(),
+                                     alpha=self.native.params["evidence_alpha"], **where)
+        finally:
+            job.close()
+        selected = self.selector.select(export, candidates, k_head)
+        return selected, candidates, time.perf_counter() - t0
 
     def _timed_select(self, export: AttentionExport, candidates: CandidateRange, k_head: int):
         """The background half of a refresh: the Selector's choice, the range it chose from (its memory's recent

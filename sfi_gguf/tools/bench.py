@@ -84,6 +84,11 @@ class BenchRow:
     kv_on_host: bool = False       # the KV cache in host memory (run_bench_kv_on_host): dense as llama.cpp runs it with
     #                                offload_kqv=False, SFI with only its view on the GPU
     dense_vram_tok_s: float = 0.0  # kv_on_host: dense with the cache in GPU memory (0: it did not fit)
+    sfi_async_tok_s: float = 0.0   # kv_on_host: SFI with its refreshes computed on the CPU while the GPU decodes
+    #                                (async_refresh) ...
+    async_refreshes: int = 0       # ... their number, the triggers skipped while one was computed, the seconds
+    async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
+    t_async_refresh_s: float = 0.0
     prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV ...
     prefill_vram_s: float = 0.0    # ... and with the cache in GPU memory
     cache_host_bytes: int = 0      # kv_on_host: the KV cache in host memory ...
@@ -385,6 +390,10 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
             ctx.truncate(depth)
             memory = llm.memory()
             s = stepper.stats
+            async_stepper = llm.stepper(dataclasses.replace(config, async_refresh=True, redecode_tail=False))
+            async_s = decode_forced(llm, async_stepper, prompt, forced, sampling)
+            ctx.truncate(depth)
+            a = async_stepper.stats
             rows.append(BenchRow(
                 **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
                 k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
@@ -393,6 +402,8 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
                 t_slow_s=s.t_slow, t_selector_s=s.t_selector,
                 t_python_s=max(0.0, sfi_s - (s.t_fast + s.t_slow + s.t_selector + s.t_dense)),
                 slow_reasons=dict(s.reasons), prefill_s=prefill_s,
+                sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
+                t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
                 cache_host_bytes=memory.cache_host if memory else 0,
                 view_device_bytes=memory.view_device if memory else 0))
             log(format_row(rows[-1]))
@@ -422,7 +433,8 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
             row.ceiling_tok_s = n_decode / ceiling_s
             log(f"depth {row.depth}: dense with the KV cache in GPU memory {row.dense_vram_tok_s:.1f} tok/s, "
                 f"prefill {row.prefill_vram_s:.1f} s (host KV: {row.prefill_s:.1f} s); SFI with host KV / dense in "
-                f"VRAM: {row.sfi_tok_s / row.dense_vram_tok_s:.2f}x")
+                f"VRAM: {row.sfi_tok_s / row.dense_vram_tok_s:.2f}x, asynchronous refreshes "
+                f"{row.sfi_async_tok_s / row.dense_vram_tok_s:.2f}x")
     finally:
         vram.close()
     return rows
@@ -568,7 +580,7 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
             f"picks: {r0.sampling}, KV cache {r0.type_kv}, commit {r0.git_commit}")
     if r0.kv_on_host:
-        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 9 + "|"] +
+        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 12 + "|"] +
                          [format_kv_on_host_row(r) for r in rows])
     runs = {(r.sampling, json.dumps(r.config_overrides, sort_keys=True)) for r in rows}
     if len(runs) == 1:
@@ -586,16 +598,18 @@ def _changes(overrides: dict) -> str:
 
 
 KV_ON_HOST_HEADER = ("| depth | dense, host KV tok/s | SFI, host KV tok/s | SFI / dense host | dense, KV in VRAM tok/s | "
-                     "SFI host / dense VRAM | prefill host / VRAM (s) | KV in VRAM (MiB) / cache in RAM (MiB) | "
-                     "slow / fast steps |")
+                     "SFI host / dense VRAM | SFI async tok/s | async / dense VRAM | prefill host / VRAM (s) | "
+                     "KV in VRAM (MiB) / cache in RAM (MiB) | slow / fast steps | async refreshes / skipped (s each) |")
 
 
 def format_kv_on_host_row(r: BenchRow) -> str:
     vram = f"{r.dense_vram_tok_s:.1f}" if r.dense_vram_tok_s else "does not fit"
     ratio_vram = f"**{r.sfi_tok_s / r.dense_vram_tok_s:.2f}x**" if r.dense_vram_tok_s else "-"
+    async_vram = f"**{r.sfi_async_tok_s / r.dense_vram_tok_s:.2f}x**" if r.dense_vram_tok_s else "-"
     return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {vram} | {ratio_vram} | "
-            f"{r.prefill_s:.1f} / {r.prefill_vram_s:.1f} | {r.view_device_bytes / 2**20:.0f} / "
-            f"{r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} |")
+            f"{r.sfi_async_tok_s:.1f} | {async_vram} | {r.prefill_s:.1f} / {r.prefill_vram_s:.1f} | "
+            f"{r.view_device_bytes / 2**20:.0f} / {r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} | "
+            f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}) |")
 
 
 def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
