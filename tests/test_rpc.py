@@ -227,7 +227,8 @@ assert runs[0] == runs[1], runs
 @need_rpc
 def test_rpc_bench_kv_on_host(servers):
     """`sfi-gguf bench --kv-on-host` on a model whose layers an rpc-server holds: each depth's row has dense with host
-    KV, SFI with host KV, dense with the cache beside the layers, both prefill times and where the bytes are."""
+    KV, SFI with host KV (refreshed by slow steps, and asynchronously: the queries of a fast step on the device, the
+    export on the CPU), dense with the cache beside the layers, both prefill times and where the bytes are."""
     from sfi_gguf.tools.bench import markdown_table
     from sfi_gguf.tools.bench import run_bench_kv_on_host
 
@@ -239,6 +240,7 @@ def test_rpc_bench_kv_on_host(servers):
         assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
         assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_s, r.prefill_vram_s) > 0, r
         assert 0 < r.view_device_bytes < r.cache_host_bytes, r
+        assert r.sfi_async_tok_s > 0 and r.async_refreshes > 0 and r.t_async_refresh_s > 0, r
     assert "| 512 |" in markdown_table(rows)
 
 
