@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="policies to run (default: the suite's); paper: the punctuation trigger without its "
                         "confidence rule; fixed16: a slow step every 16; redecode: the default trigger with "
                         "SFIConfig.redecode_tail; delay4, delay16: the default trigger, each selection used 4 or "
-                        "16 steps after its slow step (SFIConfig.selection_delay); recent512: a recent window of "
+                        "16 steps after its slow step (SFIConfig.selection_delay); async16, async64: the asynchronous refresh "
+                        "(SFIConfig.async_refresh) loaded 16 or 64 steps after its trigger; recent512: a recent window of "
                         "512 at the same budget (k_head 256 lower); interval32: a refresh at the latest every 32 "
                         "steps (refresh_interval); redecode_interval32, redecode_recent512: redecode with interval32 or recent512")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")

@@ -39,6 +39,10 @@ VARIANTS = {
     # the default trigger, each selection committed d steps after its slow step (what an asynchronous refresh costs)
     "delay4": ("punctuation", {"selection_delay": 4}),
     "delay16": ("punctuation", {"selection_delay": 16}),
+    # ... and the asynchronous refresh itself (async_refresh: the trigger's step a fast one, its export computed
+    # from its queries), loaded 16 or 64 steps later, the triggers in between skipped
+    "async16": ("punctuation", {"async_refresh": True, "selection_delay": 16}),
+    "async64": ("punctuation", {"async_refresh": True, "selection_delay": 64}),
     # the rest of the gap to dense, one change at a time: a recent window of 512 at the same budget (k_head gives
     # up the 256 cells the window gains), a refresh at the latest every 32 steps, and that with redecode
     "recent512": ("punctuation", {"n_recent": 512}),
@@ -48,7 +52,7 @@ VARIANTS = {
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
-                "delay4", "delay16", "paper", "fixed", "fixed16", "static", "sink_recent")
+                "delay4", "delay16", "async16", "async64", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
 TEACHER_FORCED = (longgen.TASK, answer_agreement.TASK)  # scored by agreement with dense, not by an answer
