@@ -168,3 +168,22 @@ def test_async_refresh_is_validated():
         SFIConfig(async_refresh=True, redecode_tail=True)
     with pytest.raises(ValueError, match="async_refresh"):
         SFIConfig(async_refresh=1)
+
+
+def test_async_refresh_in_a_batch_with_every_cell_selected_equals_dense(tiny_path):
+    """Two sequences decoded together (one stream each): each refreshes on the host from its own queries (a fast
+    step of the batch keeps the queries of the sequences that asked), and with a budget of every cell the tokens
+    are dense's."""
+    from sfi_gguf import SFILlama
+
+    prompts = [PROMPT, PROMPT[:300]]
+    config = SFIConfig(k_head=1024, min_context=0, policy="fixed", fixed_period=8, async_refresh=True,
+                       selection_delay=3)
+    runs = {}
+    for name, sfi in (("async", config), ("dense", SFIConfig(policy="dense"))):
+        with SFILlama(str(tiny_path), n_ctx=1024, n_threads=1, n_parallel=2, sfi=sfi) as llm:
+            runs[name] = llm.generate_batch(prompts, max_tokens=48, temperature=0, ignore_eos=True)
+    for out, dense in zip(runs["async"], runs["dense"]):
+        assert out.tokens == dense.tokens
+        s = out.stats.sfi
+        assert s.n_slow == 0 and s.n_host_refresh >= 4 and s.n_fell_back == 0
