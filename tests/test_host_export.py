@@ -187,3 +187,24 @@ def test_async_refresh_in_a_batch_with_every_cell_selected_equals_dense(tiny_pat
         assert out.tokens == dense.tokens
         s = out.stats.sfi
         assert s.n_slow == 0 and s.n_host_refresh >= 4 and s.n_fell_back == 0
+
+
+def test_a_refresh_borrows_decode_threads_and_gives_them_back(tiny_path):
+    """While refreshes compute, single-token decodes run on DECODE_THREADS_DURING_REFRESH threads (loans nest, one
+    per sequence refreshing); prefill keeps its threads, and the last return restores the count."""
+    from sfi_gguf.core.context import LlamaContext
+    from sfi_gguf.core.library import llama_cpp
+    from sfi_gguf.core.stepper import DECODE_THREADS_DURING_REFRESH
+
+    ctx = LlamaContext(tiny_path, n_ctx=256, n_gpu_layers=0, n_threads=8, n_batch=256, flash_attn=True, verbose=False)
+    try:
+        assert ctx.lend_threads(DECODE_THREADS_DURING_REFRESH) == 8 - DECODE_THREADS_DURING_REFRESH
+        assert ctx.lend_threads(DECODE_THREADS_DURING_REFRESH) == 8 - DECODE_THREADS_DURING_REFRESH
+        assert llama_cpp.llama_n_threads(ctx.ctx) == DECODE_THREADS_DURING_REFRESH
+        assert llama_cpp.llama_n_threads_batch(ctx.ctx) == 8
+        ctx.return_threads()
+        assert llama_cpp.llama_n_threads(ctx.ctx) == DECODE_THREADS_DURING_REFRESH
+        ctx.return_threads()
+        assert llama_cpp.llama_n_threads(ctx.ctx) == 8
+    finally:
+        ctx.close()

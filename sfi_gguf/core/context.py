@@ -357,6 +357,22 @@ class LlamaContext:
         return bool(llama_cpp.llama_vocab_is_eog(self.vocab, token))
 
     # -- KV cache -------------------------------------------------------------------------------
+    def lend_threads(self, n_kept: int) -> int:
+        """While other work runs on the host's cores (an asynchronous refresh), single-token decodes run on n_kept of
+        the context's threads (their host part is small with the layers on a GPU): returns how many it lent, to give
+        back with `return_threads`. Loans nest (the sequences of a batch); the last return restores the count."""
+        if not getattr(self, "_n_loans", 0):
+            self._threads_before_loan = llama_cpp.llama_n_threads(self.ctx)
+        self._n_loans = getattr(self, "_n_loans", 0) + 1
+        n_lent = max(0, self._threads_before_loan - max(1, n_kept))
+        llama_cpp.llama_set_n_threads(self.ctx, self._threads_before_loan - n_lent, llama_cpp.llama_n_threads_batch(self.ctx))
+        return n_lent
+
+    def return_threads(self) -> None:
+        self._n_loans -= 1
+        if not self._n_loans:
+            llama_cpp.llama_set_n_threads(self.ctx, self._threads_before_loan, llama_cpp.llama_n_threads_batch(self.ctx))
+
     def truncate(self, n_keep: int) -> None:
         """Drop every cached token from position n_keep on."""
         if not self.ctx:

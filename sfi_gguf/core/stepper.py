@@ -15,7 +15,6 @@ selection whose tail fills up) refresh cheaply: the same cells, a new recent win
 """
 from __future__ import annotations
 
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,9 +29,10 @@ from .plan import SFIPlan
 from .policy import MemoryMode, TriggerPolicy
 from .selector import AttentionExport, CandidateRange, DeviceSelectorParams, Selector
 
-# threads of an asynchronous refresh's export on the CPU (async_refresh): all cores but those of the decoding thread
-# and of the fast steps' host part (their tokens' K/V written to the host cache)
-HOST_EXPORT_THREADS = max(1, (os.cpu_count() or 2) - 2)
+# while an asynchronous refresh's export computes on the CPU (async_refresh), single-token decodes keep this many of
+# the context's threads (a fast step's host part, its token's K/V written to the host cache, is small) and the export
+# takes the others: OpenMP teams that share cores wait for each other's descheduled threads at every barrier
+DECODE_THREADS_DURING_REFRESH = 4
 
 
 @runtime_checkable
@@ -145,6 +145,7 @@ class SFIStepper:
         self._top1: float | None = None   # top-1 probability of the last step's logits (see _note_logits)
         self._reason: str | None = None   # why the planned slow step fires
         self._capturing = False           # the planned fast step keeps its queries for an asynchronous refresh
+        self._lent_threads = False        # ... and its refresh computes on threads the context lent
 
     def _wants_sparse(self, n_context: int) -> bool:
         return self.policy.memory is not MemoryMode.DENSE and not self.sfi_plan.stays_dense(n_context)
@@ -392,7 +393,9 @@ class SFIStepper:
         candidates = self.budget.candidates_at(n_context)
         if self._executor is None:
             self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sfi-selector")
-        self._pending = self._executor.submit(self._host_select, job, positions, candidates,
+        n_threads = max(1, self.ctx.lend_threads(DECODE_THREADS_DURING_REFRESH))
+        self._lent_threads = True
+        self._pending = self._executor.submit(self._host_select, job, n_threads, positions, candidates,
                                               self.budget.k_head_at(n_context))
         self._load_at = self._n_step + 1 + self.options.max_selection_delay
         self.policy.note_refresh()
@@ -402,11 +405,16 @@ class SFIStepper:
             self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
         self.stats.t_selector += time.perf_counter() - t0
 
-    def _host_select(self, job, positions: np.ndarray, candidates: CandidateRange, k_head: int):
+    def _return_threads(self) -> None:
+        if self._lent_threads:
+            self._lent_threads = False
+            self.ctx.return_threads()
+
+    def _host_select(self, job, n_threads: int, positions: np.ndarray, candidates: CandidateRange, k_head: int):
         """The worker's half of an asynchronous refresh: the export over the host cache, then the Selector."""
         t0 = time.perf_counter()
         try:
-            job.compute(HOST_EXPORT_THREADS)
+            job.compute(n_threads)
             evidence = job.evidence()
             cells = job.candidates()
             where = {"positions": positions[:evidence.shape[2]]} if cells is None else {"positions": positions,
@@ -448,7 +456,10 @@ class SFIStepper:
         """Load the background Selector's result (waiting for it) unless the view was dropped since."""
         t0 = time.perf_counter()
         pending, self._pending = self._pending, None
-        selected, candidates, t_background = pending.result()
+        try:
+            selected, candidates, t_background = pending.result()
+        finally:
+            self._return_threads()
         self.stats.t_selector_background += t_background
         if self._sparse:
             self._use_selection(selected, candidates=candidates)
@@ -461,7 +472,10 @@ class SFIStepper:
         """New text or the end of a generation: a selection still being computed is stale."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()
+            try:
+                pending.result()
+            finally:
+                self._return_threads()
 
     def _cells_and_positions(self, positions: np.ndarray, n_cells: int) -> dict:
         cells = self.native.candidates()
