@@ -151,6 +151,7 @@ def _sfi_summary(s) -> dict | None:
         return None
     return {"k_head": s.k_head, "budget": s.budget, "n_fast": s.n_fast, "n_slow": s.n_slow, "n_dense": s.n_dense,
             "n_bootstrap": s.n_bootstrap, "n_fell_back": s.n_fell_back, "slow_steps": list(s.slow_steps),
+            "n_host_refresh": s.n_host_refresh, "n_refresh_skipped": s.n_refresh_skipped,
             "refresh_overlap": [round(x, 3) for x in s.refresh_overlap], "reasons": dict(s.reasons)}
 
 
