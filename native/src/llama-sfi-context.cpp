@@ -222,7 +222,6 @@ void llama_sfi_context::extract_queries(ggml_backend_sched_t sched, const llama_
 
     ggml_backend_sched_synchronize(sched);
 
-    std::vector<float> buf;
     for (int64_t j = 0; j < ns; ++j) {
         const uint32_t s = res.query_streams[j];
         if (!view->streams[s].capture) {
