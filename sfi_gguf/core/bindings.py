@@ -152,6 +152,14 @@ class llama_sfi_memory(ctypes.Structure):
 
 
 
+def _copied(ptr, shape: tuple, dtype) -> np.ndarray:
+    """The native array at ptr, copied by one memmove into a fresh array: np.ctypeslib.as_array would create (and
+    ctypes cache forever) a new array type for every shape, and n_cells grows with the context."""
+    out = np.empty(shape, dtype=dtype)
+    ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
+    return out
+
+
 def _check(func: str, rc: int) -> int:
     if rc < 0:
         raise SFIError(func, rc)
@@ -329,11 +337,7 @@ class SFINative:
             if not self._initialized:
                 raise SFIError(name, ERR_NOT_INIT)
             return None
-        # one memmove into a fresh array: np.ctypeslib.as_array would create (and ctypes cache forever) a
-        # new array type for every shape, and n_cells grows with the context
-        out = np.empty((nl.value, nh.value, nc.value), dtype=np.float32)
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-        return out
+        return _copied(ptr, (nl.value, nh.value, nc.value), np.float32)
 
     def mass(self, seq: int = 0) -> np.ndarray | None:
         """[n_layers, n_head_kv, n_cells] of seq's last SLOW decode (None if there is none)."""
@@ -350,22 +354,14 @@ class SFINative:
         column i is cell i)."""
         nl, nc = ctypes.c_int32(), ctypes.c_int32()
         ptr = _seq_get_candidates(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nc))
-        if not ptr:
-            return None
-        out = np.empty((nl.value, nc.value), dtype=np.int32)
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-        return out
+        return _copied(ptr, (nl.value, nc.value), np.int32) if ptr else None
 
     def selection(self, seq: int = 0) -> np.ndarray | None:
         """int32 [n_layers, n_head_kv, k_head]: the cells the device Selector kept in seq's last slow step,
         each row in no particular order (None: that step ran no device Selector)."""
         nl, nh, nk = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
         ptr = _seq_get_selection(self.ctx, seq, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nk))
-        if not ptr:
-            return None
-        out = np.empty((nl.value, nh.value, nk.value), dtype=np.int32)
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-        return out
+        return _copied(ptr, (nl.value, nh.value, nk.value), np.int32) if ptr else None
 
     def selection_size(self, seq: int = 0) -> int:
         """k_head of the selection `selection()` would return, without reading it (0: none)."""
@@ -411,11 +407,7 @@ class HostExport:
     def _values(self, fn) -> np.ndarray | None:
         nl, nh, nc = ctypes.c_int32(), ctypes.c_int32(), ctypes.c_int32()
         ptr = fn(self._job, ctypes.byref(nl), ctypes.byref(nh), ctypes.byref(nc))
-        if not ptr:
-            return None
-        out = np.empty((nl.value, nh.value, nc.value), dtype=np.float32)
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-        return out
+        return _copied(ptr, (nl.value, nh.value, nc.value), np.float32) if ptr else None
 
     def evidence(self) -> np.ndarray | None:
         """[n_layers, n_head_kv, n_cells] once computed (None before)."""
@@ -428,11 +420,7 @@ class HostExport:
         """int32 [n_layers, n_cells]: the cells of the columns (None: every cell, column i is cell i)."""
         nl, nc = ctypes.c_int32(), ctypes.c_int32()
         ptr = _host_export_candidates(self._job, ctypes.byref(nl), ctypes.byref(nc))
-        if not ptr:
-            return None
-        out = np.empty((nl.value, nc.value), dtype=np.int32)
-        ctypes.memmove(out.ctypes.data, ptr, out.nbytes)
-        return out
+        return _copied(ptr, (nl.value, nc.value), np.int32) if ptr else None
 
     def close(self) -> None:
         if self._job:

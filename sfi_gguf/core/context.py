@@ -75,6 +75,9 @@ class LlamaContext:
 
     SPLIT_MODES = {"none": 0, "layer": 1, "row": 2}  # enum llama_split_mode
 
+    _n_loans = 0                # lend_threads calls not yet returned ...
+    _threads_before_loan = 0    # ... and the single-token decodes' threads before the first
+
     # picks in the graph (set_device_picks), per sequence: a context that owns its llama_context and its sequence
     # handles have them; borrowed contexts keep these defaults
     _device_picks: DevicePicks | None = None
@@ -361,9 +364,9 @@ class LlamaContext:
         """While other work runs on the host's cores (an asynchronous refresh), single-token decodes run on n_kept of
         the context's threads (their host part is small with the layers on a GPU): returns how many it lent, to give
         back with `return_threads`. Loans nest (the sequences of a batch); the last return restores the count."""
-        if not getattr(self, "_n_loans", 0):
+        if not self._n_loans:
             self._threads_before_loan = llama_cpp.llama_n_threads(self.ctx)
-        self._n_loans = getattr(self, "_n_loans", 0) + 1
+        self._n_loans += 1
         n_lent = max(0, self._threads_before_loan - max(1, n_kept))
         llama_cpp.llama_set_n_threads(self.ctx, self._threads_before_loan - n_lent, llama_cpp.llama_n_threads_batch(self.ctx))
         return n_lent

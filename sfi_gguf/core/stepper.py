@@ -35,6 +35,13 @@ from .selector import AttentionExport, CandidateRange, DeviceSelectorParams, Sel
 DECODE_THREADS_DURING_REFRESH = 4
 
 
+def _cells_and_positions(positions: np.ndarray, n_cells: int, cells: np.ndarray | None) -> dict:
+    """AttentionExport's keywords for an export of n_cells columns: the candidates' cells, or none (column i is cell i)."""
+    if cells is None:
+        return {"positions": positions[:n_cells]}
+    return {"positions": positions, "cells": cells}
+
+
 @runtime_checkable
 class Stepper(Protocol):
     """How the decode steps of one sequence attend: the interface the token loop (`generate.run_generation`, the
@@ -361,7 +368,7 @@ class SFIStepper:
         export = AttentionExport(mass=mass, evidence=self.native.evidence(), key_norms=self.native.key_norms(),
                                  n_rows=self.native.n_query_rows() * self._group_size(),
                                  alpha=self.native.params["evidence_alpha"],
-                                 **self._cells_and_positions(positions, mass.shape[2]))
+                                 **_cells_and_positions(positions, mass.shape[2], self.native.candidates()))
         candidates = self.budget.candidates_at(n_context)
         self.policy.note_refresh()
         if background:
@@ -416,11 +423,9 @@ class SFIStepper:
         try:
             job.compute(n_threads)
             evidence = job.evidence()
-            cells = job.candidates()
-            where = {"positions": positions[:evidence.shape[2]]} if cells is None else {"positions": positions,
-                                                                                           "cells": cells}
             export = AttentionExport(evidence=evidence, key_norms=job.key_norms(), n_rows=self._group_size(),
-                                     alpha=self.native.params["evidence_alpha"], **where)
+                                     alpha=self.native.params["evidence_alpha"],
+                                     **_cells_and_positions(positions, evidence.shape[2], job.candidates()))
         finally:
             job.close()
         selected = self.selector.select(export, candidates, k_head)
@@ -476,12 +481,6 @@ class SFIStepper:
                 pending.result()
             finally:
                 self._return_threads()
-
-    def _cells_and_positions(self, positions: np.ndarray, n_cells: int) -> dict:
-        cells = self.native.candidates()
-        if cells is None:  # column i is cell i
-            return {"positions": positions[:n_cells]}
-        return {"positions": positions, "cells": cells}
 
     def _cheap_refresh(self) -> None:
         """Same selected cells, recent window moved to now: no slow step (tail would overflow)."""
