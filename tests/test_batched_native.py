@@ -204,10 +204,9 @@ def test_one_decode_equals_its_sequences_decoded_by_kind(tiny, flash_attn, expor
 
 
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
-def test_staggered_refreshes_reuse_their_graphs(tiny, flash_attn):
+def test_staggered_refreshes(tiny, flash_attn):
     """Sequences that refresh at different steps (one slow sequence per step, in turn, with the device Selector)
-    decode in one llama_decode what they decode as one decode per kind, and once every mix has been seen its graph
-    is reused, not rebuilt (llama.cpp's count of reused graphs), although the mix changes at every step."""
+    decode in one llama_decode what they decode as one decode per kind, although the mix changes at every step."""
     batched_checks.staggered_refreshes(tiny, flash_attn)
 
 

@@ -588,7 +588,7 @@ def test_removing_cells_keeps_the_other_cells_key_norms(tiny):
         c.close()
 
 
-@pytest.mark.parametrize("keep_graphs", [True, False], ids=["kept-graphs", "context-graphs"])
+@pytest.mark.parametrize("keep_graphs", [True, False], ids=["fast-graphs", "context-graphs"])
 @pytest.mark.parametrize("flash_attn", FLASH_ATTN)
 def test_slow_then_fast_cycle(tiny, flash_attn, keep_graphs):
     """The intended cycle: slow step, select from its mass, fast steps; exact when everything is selected, with the

@@ -125,10 +125,9 @@ def test_rpc_generation_equals_local(servers):
 
 @need_rpc
 @pytest.mark.parametrize("flash_attn", [True, False], ids=["fa", "no_fa"])
-def test_rpc_staggered_refreshes_reuse_their_graphs(servers, flash_attn):
-    """Kept graphs of mixed steps with layers on the local CPU and on an rpc-server: the scheduler splits each graph
-    over the two backends, pointing its nodes at the split's copies of their inputs; a kept graph allocated again
-    must read its own tensors, not an earlier split's (a single backend never splits a graph)."""
+def test_rpc_staggered_refreshes(servers, flash_attn):
+    """Mixed steps whose mix changes at every step, with layers on the local CPU and on an rpc-server: the scheduler
+    splits each graph over the two backends (a single backend never splits a graph)."""
     m = PlacedModel(four_layers(), n_gpu_layers=2, devices=devices.model_devices(servers))
     try:
         staggered_refreshes(m, flash_attn)

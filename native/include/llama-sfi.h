@@ -73,9 +73,9 @@ extern "C" {
         // how the steps are computed (the same results: fa_evidence changes a slow step's logits by rounding only)
         bool    fused_ops;        // SFI's fused ggml ops where the backend has them; false: their composite ggml
                                   // definition on every backend (what a backend without the ops runs)
-        bool    keep_graphs;      // FAST steps decode with a scheduler and graphs of their own, and the graphs of slow
-                                  // and mixed batched ubatches are kept by their mix of steps and taken again; false:
-                                  // every ubatch takes the context's scheduler and graph, as llama.cpp's own do
+        bool    keep_graphs;      // FAST steps decode with a scheduler and graphs of their own (so that the context's
+                                  // graph, a slow step's, stays built); false: every ubatch takes the context's
+                                  // scheduler and graph, as llama.cpp's own do
         int32_t fa_evidence;      // SLOW with flash attention: the attention as ggml_sfi_flash_attn_evidence, which
                                   // also gives the evidence and key norms: 1 on every backend that has it, 0 on none
                                   // (flash attention + ggml_sfi_evidence), -1 where the keys are in device memory (or

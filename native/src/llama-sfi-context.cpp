@@ -56,9 +56,6 @@ llama_sfi_context::llama_sfi_context(const llama_model & model, llama_kv_cache *
     capture_next.assign(this->view->streams.size(), 0);
     queries.resize(this->view->streams.size());
     kv->set_sfi(this->view);
-
-    // a MIXED ubatch for each stream that refreshes alone, one with all of them, and one more
-    kept_graphs.capacity = this->view->streams.size() + 2;
 }
 
 llama_sfi_context::~llama_sfi_context() {
@@ -156,44 +153,12 @@ void llama_sfi_context::decode_end() {
     view->stream_steps.assign(view->streams.size(), LLAMA_SFI_STEP_DENSE);
 }
 
-llm_graph_result * llama_sfi_context::kept_graph(const llama_memory_context_i * mctx, const llama_ubatch & ubatch,
-        size_t max_nodes, const llm_graph_result * active) {
-    const auto * kv = dynamic_cast<const llama_kv_cache_context *>(mctx);
-    if (const auto * iswa = dynamic_cast<const llama_kv_cache_iswa_context *>(mctx)) {
-        kv = iswa->get_base();
-    }
-
-    // keep_graphs off: none kept (every such ubatch takes the context's graph, as llama.cpp's own do)
-    const bool enabled = view->params.keep_graphs;
-
-    const llama_sfi_plan * plan = kv ? kv->get_sfi() : nullptr;
-    // (a cache in host memory: a graph taken again would lose the backends llama_sfi_place_host_cache gave its nodes)
-    if (!enabled || !plan || plan->view.cache_on_host || !(plan->mixed() || plan->exporting)) {
-        return nullptr; // FAST ubatches have graphs of their own (fast_graphs), DENSE ones the context's
-    }
-
-    uint32_t n_outputs = 0;
-    for (uint32_t i = 0; i < ubatch.n_tokens; ++i) {
-        n_outputs += ubatch.output[i] != 0;
-    }
-
-    // (a key is only where to look: the graph is reused only if llama.cpp's can_reuse says so)
-    uint64_t key = llama_sfi_graph_key(kv);
-    for (const uint64_t x : { (uint64_t) ubatch.n_tokens, (uint64_t) ubatch.n_seqs_unq, (uint64_t) n_outputs }) {
-        key = key*1099511628211ull ^ x;
-    }
-
-    return kept_graphs.get(key, max_nodes, active);
-}
-
 void llama_sfi_context::built(const llm_graph_result * res, ggml_backend_sched_t sched) {
     llama_sfi_place_host_cache(*view, sched, res->get_gf());
-    kept_graphs.built(res);
 }
 
 void llama_sfi_context::reset_graphs() {
     fast_graphs.reset();
-    kept_graphs.reset();
 }
 
 uint32_t llama_sfi_context::n_graph_nodes() const {

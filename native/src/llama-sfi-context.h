@@ -4,7 +4,7 @@
 // slow steps
 
 #include "llama-sfi.h"
-#include "llama-sfi-kept-graphs.h"
+#include "llama-sfi-fast-graphs.h"
 
 #include "ggml-backend.h"
 #include "ggml-cpp.h"
@@ -120,17 +120,9 @@ struct llama_sfi_context {
     std::vector<llama_sfi_queries> queries;      // per stream, from the last decode of its sequence that kept them
 
     llama_sfi_fast_graphs fast_graphs; // the scheduler and graphs of the FAST steps
-    llama_sfi_kept_graphs kept_graphs; // the graphs of the SLOW and MIXED ubatches, by their mix of steps
 
-    // the graph kept for a SLOW or MIXED ubatch whose plan mctx applied (nullptr: the context's own); active: the graph
-    // the context's scheduler allocated last
-    llm_graph_result * kept_graph(const llama_memory_context_i * mctx, const llama_ubatch & ubatch, size_t max_nodes,
-            const llm_graph_result * active);
-
-    bool keeps(const llm_graph_result * res) const { return kept_graphs.keeps(res); }
     // res was built on sched, which allocates it next
     void built(const llm_graph_result * res, ggml_backend_sched_t sched);
-    void unallocate(const llm_graph_result * res)   { kept_graphs.unallocate(res); }
 
     // the context reset its graphs (a reserve, a memory update)
     void reset_graphs();

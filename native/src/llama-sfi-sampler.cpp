@@ -143,7 +143,7 @@ bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl) {
 // Sampling in the decode's graph, with the model's confidence
 //
 // llama.cpp's dist sampler takes its random number from an input tensor of the graph it was built into, and fills the
-// input of the last graph built; SFI keeps several graphs (a fast step's, a slow step's, one per mix of steps) and runs
+// input of the last graph built; SFI keeps two graphs (a fast step's, and a slow or mixed step's) and runs
 // them again without a rebuild, so that input would often be another graph's. This sampler runs a chain of llama.cpp's
 // filters (top-k, top-p, min-p, temperature: constants in the graph), then dist's ops itself, over a random number in
 // a buffer of its own that every graph reads and that it fills before each decode, drawn from its seed as llama.cpp's

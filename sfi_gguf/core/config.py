@@ -110,8 +110,8 @@ class SFIConfig:
     None: on where the keys are in device memory (or in host memory for layers on a device), unless the
     environment sets LLAMA_SFI_FA_EVIDENCE=1 (everywhere) or =0 (nowhere)."""
     keep_graphs: bool | None = None
-    """Fast steps decode with graphs of their own, and the graphs of slow and mixed batched steps are kept
-    by their mix of steps and taken again, rather than built again at every switch. None: True, unless the
+    """Fast steps decode with a scheduler and graphs of their own, so that neither a fast nor a slow step's
+    graph is built again at every switch between them. None: True, unless the
     environment sets LLAMA_SFI_KEEP_GRAPHS=0."""
 
     # -- trigger policy and Selector -----------------------------------------------------------

@@ -79,7 +79,7 @@ class BenchRow:
     #                                replaced by their composite definition
     fa_evidence_env: str | None = None  # LLAMA_SFI_FA_EVIDENCE as set ("0": a slow step's attention is flash
     #                                     attention + the evidence op even on a GPU; None: the default)
-    keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": no graph kept per mix of steps)
+    keep_graphs_env: str | None = None  # LLAMA_SFI_KEEP_GRAPHS as set ("0": fast steps take the context's graphs)
     cuda_graphs_disabled: bool = False  # GGML_CUDA_DISABLE_GRAPHS set: every graph launched kernel by kernel
     kv_on_host: bool = False       # the KV cache in host memory (run_bench_kv_on_host): dense as llama.cpp runs it with
     #                                offload_kqv=False, SFI with only its view on the GPU
