@@ -80,14 +80,10 @@ extern "C" {
                                   // also gives the evidence and key norms: 1 on every backend that has it, 0 on none
                                   // (flash attention + ggml_sfi_evidence), -1 where the keys are in device memory (or
                                   // in host memory for layers on a device)
-
-        int32_t n_dense_layers;   // FAST steps attend to every cell of the cache, as a DENSE step does, in the first
-                                  // n_dense_layers covered layers (every one when more), to the view in the others:
-                                  // the first layers' keys and values are what every later layer reads
     };
 
     // n_sel_max 2308 (a 2048-cell selection, the sink and the recent window), n_tail_max 256, n_query_rows 1,
-    // evidence_alpha 0.5, export_key_norms true, fused_ops true, keep_graphs true, fa_evidence -1, n_dense_layers 0. The environment
+    // evidence_alpha 0.5, export_key_norms true, fused_ops true, keep_graphs true, fa_evidence -1. The environment
     // overrides the last three defaults (read once per process): LLAMA_SFI_FUSED=0 fused_ops false,
     // LLAMA_SFI_KEEP_GRAPHS=0 keep_graphs false, LLAMA_SFI_FA_EVIDENCE=1 / =0 fa_evidence 1 / 0.
     LLAMA_API struct llama_sfi_params llama_sfi_default_params(void);
@@ -100,10 +96,9 @@ extern "C" {
     // Returns 0, or
     //   LLAMA_SFI_ERR_BAD_ARG:     ctx or params NULL, n_sel_max, n_tail_max or n_query_rows < 1, evidence_alpha
     //                              negative or not finite, n_sel_max + n_tail_max too large, fa_evidence not -1, 0
-    //                              or 1, n_dense_layers < 0; ctx is unchanged
-    //   LLAMA_SFI_ERR_UNSUPPORTED: no KV cache, several sequences in a unified cache, a cache or model SFI does not
-    //                              cover (the log says why), or n_dense_layers > 0 with the cache in host memory for
-    //                              layers on a device (a FAST step would read the host cache)
+    //                              or 1; ctx is unchanged
+    //   LLAMA_SFI_ERR_UNSUPPORTED: no KV cache, several sequences in a unified cache, or a cache or model SFI
+    //                              does not cover (the log says why)
     //   LLAMA_SFI_ERR_ALLOC:       the view could not be allocated
     // After UNSUPPORTED or ALLOC, ctx has no SFI state (the previous one, if any, is freed).
     LLAMA_API int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params * params);

@@ -379,14 +379,6 @@ ggml_tensor * llama_sfi_build_attn(
     if (plan && plan->capturing) {
         llama_sfi_capture_queries(ctx, gf, res, *plan, hparams, q, kq_scale, il);
     }
-    if (plan && plan->fast() && plan->dense_layers) {
-        // k, v and kq_mask are the cache's: the dense layers attend to them, the others to the view
-        if (plan->view.dense_in_fast(il)) {
-            return attn(q, k, v, kq_mask);
-        }
-        return attn(q, plan->view.get_k(ctx, il, plan->n_view, plan->s0, plan->s1),
-                plan->view.get_v(ctx, il, plan->n_view, plan->s0, plan->s1), inp.fast_mask);
-    }
     if (!plan || (!plan->mixed() && !plan->exporting)) {
         return attn(q, k, v, kq_mask);
     }
@@ -413,7 +405,7 @@ ggml_tensor * llama_sfi_build_attn(
 
         const uint32_t s0 = plan->streams[run.j0];
 
-        if (run.step == LLAMA_SFI_STEP_FAST && !plan->view.dense_in_fast(il)) {
+        if (run.step == LLAMA_SFI_STEP_FAST) {
             const uint32_t s1 = plan->streams[run.j0 + run.n - 1];
             outs.push_back(attn(q_r, plan->view.get_k(ctx, il, plan->n_view, s0, s1), plan->view.get_v(ctx, il, plan->n_view, s0, s1),
                         streams(inp.fast_mask, run)));

@@ -178,12 +178,6 @@ uint64_t llama_sfi_graph_key(const llama_kv_cache_context * mctx) {
         mix(LLAMA_SFI_STEP_FAST | 1u << 8); // (its queries are outputs)
     }
 
-    if (plan->fast() && plan->dense_layers) {
-        // the cache's n_kv is the mask's (llama.cpp checks it), the view's slots are SFI's
-        mix(LLAMA_SFI_STEP_FAST | 2u << 8);
-        mix(plan->n_view);
-    }
-
     if (plan->exporting) {
         // the Selector's parameters are constants of the graph
         const uint64_t selector = view->selector.k_head > 0 ? 1 + (uint64_t) (view->selector_gen & 0xffffff) : 0;
@@ -258,7 +252,7 @@ void llama_sfi_build_inputs(ggml_context * ctx, const llama_kv_cache_context * m
         return;
     }
 
-    if (plan->mixed() || plan->dense_layers) {
+    if (plan->mixed()) {
         // the kq_mask's type: F16 with flash attention (the view then holds V as the cache does, not transposed)
         const int64_t ns = ubatch.n_seqs_unq;
 

@@ -21,8 +21,8 @@ struct llama_sfi_graph_input {
     ggml_tensor * sel_slots = nullptr; // I64 [n]           FAST that gathers, SLOW that gathers: the slots 0 .. n-1
     ggml_tensor * tail_idxs_v = nullptr; // I64 [n_tokens*n_embd_v_gqa] FAST, V transposed: element of each channel
 
-    // MIXED with FAST streams, or FAST with dense layers: their mask over their views, [n_view, n_tps, 1, ns] of the
-    // kq_mask's type (the kq_mask is the cache's, for the other streams and the dense layers)
+    // MIXED with FAST streams: their mask over their views, [n_view, n_tps, 1, ns] of the kq_mask's type (the kq_mask
+    // is the cache's, for the other streams)
     ggml_tensor * fast_mask = nullptr;
 
     // FAST: per stream that gathers its selection (its first FAST step after it), I32 [n_sel, n_head_kv_max, n_layers] cells

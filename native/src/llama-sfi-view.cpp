@@ -483,8 +483,6 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
     s0 = sinfo.s0;
     s1 = sinfo.s1;
 
-    this->sinfo = &sinfo;
-
     streams.assign(sinfo.strm.begin(), sinfo.strm.end());
 
     // the streams' steps (decode_begin), cut into runs of one step
@@ -542,8 +540,6 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
     gathering.clear();
     tail0.assign(sinfo.n_stream(), 0);
 
-    dense_layers = (fast() || mixed()) && view.params.n_dense_layers > 0;
-
     if (!fast() && !mixed()) {
         return n_kv;
     }
@@ -565,26 +561,20 @@ uint32_t llama_sfi_plan::apply(size_t u, const llama_kv_cache::slot_info & sinfo
         n_view = std::max(n_view, view.n_view(s, s));
     }
 
-    return fast() && !dense_layers ? n_view : n_kv;
+    return fast() ? n_view : n_kv;
 }
 
 ggml_tensor * llama_sfi_plan::get_k(ggml_context * ctx, int32_t il, uint32_t n_kv) const {
-    return dense_layers ? view.kv.get_k(ctx, il, n_kv, *sinfo) : view.get_k(ctx, il, n_kv, s0, s1);
+    return view.get_k(ctx, il, n_kv, s0, s1);
 }
 
 ggml_tensor * llama_sfi_plan::get_v(ggml_context * ctx, int32_t il, uint32_t n_kv) const {
-    return dense_layers ? view.kv.get_v(ctx, il, n_kv, *sinfo) : view.get_v(ctx, il, n_kv, s0, s1);
+    return view.get_v(ctx, il, n_kv, s0, s1);
 }
 
 void llama_sfi_plan::set_input_kq_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const {
-    if (fast() && !dense_layers) {
+    if (fast()) {
         view.set_input_kq_mask(dst, ubatch);
-        return;
-    }
-
-    if (dense_layers) {
-        // the FAST streams read the cache in their dense layers
-        view.set_input_dense_kq_mask(dst, ubatch, std::vector<llama_sfi_step>(steps.size(), LLAMA_SFI_STEP_DENSE));
         return;
     }
 

@@ -171,9 +171,6 @@ struct llama_sfi_view {
 
     int32_t layer_index(int32_t il) const; // -1 if the layer is not covered
 
-    // FAST steps attend to the whole cache in covered layer il (llama_sfi_params::n_dense_layers)
-    bool dense_in_fast(int32_t il) const { return layer_index(il) < params.n_dense_layers; }
-
     // the cache's K / V of model layer il
     ggml_tensor * cache_k_of(int32_t il) const;
     ggml_tensor * cache_v_of(int32_t il) const;
@@ -228,12 +225,6 @@ struct llama_sfi_plan {
     llama_sfi_step ubatch_step = LLAMA_SFI_STEP_DENSE; // its streams' step, MIXED when they differ
     bool exporting = false; // some stream is SLOW, and the ubatch ends one of the batch's sequences
     bool capturing = false; // FAST, and some stream keeps its last token's queries (stream::capture)
-
-    // FAST or MIXED with dense layers in FAST steps (llama_sfi_view::dense_in_fast): the ubatch attends the cache's n_kv
-    // cells with the cache's mask, which covers every stream, and its FAST streams' other layers attend to their views
-    // with the mask fast_mask, as in a MIXED ubatch
-    bool dense_layers = false;
-    const llama_kv_cache::slot_info * sinfo = nullptr; // the ubatch's cells (apply)
     uint32_t s0 = 0;
     uint32_t s1 = 0;
 
@@ -260,7 +251,7 @@ struct llama_sfi_plan {
     // slots of the view; MIXED: the cache's cells, the FAST streams' mask is an SFI input)
     uint32_t apply(size_t u, const llama_kv_cache::slot_info & sinfo, uint32_t n_kv);
 
-    // FAST: the view instead of the cache (with dense layers: the cache, see build_attn)
+    // FAST: the view instead of the cache
     ggml_tensor * get_k(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
     ggml_tensor * get_v(ggml_context * ctx, int32_t il, uint32_t n_kv) const;
 
@@ -269,8 +260,7 @@ struct llama_sfi_plan {
     // MIXED: the mask of the FAST streams over their views, [n_view, n_tps, 1, ns]
     void set_input_fast_mask(ggml_tensor * dst, const llama_ubatch * ubatch) const;
 
-    // the plan fills the ubatch's kq_mask: FAST, the view's; MIXED, the cache's rows of the other streams only (with
-    // dense layers: every row)
+    // the plan fills the ubatch's kq_mask: FAST, the view's; MIXED, the cache's rows of the other streams only
     bool fills_kq_mask() const { return fast() || mixed(); }
 };
 

@@ -17,7 +17,7 @@
 #include <cstring>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 17
+#define LLAMA_SFI_API_VERSION 18
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;
@@ -46,7 +46,6 @@ struct llama_sfi_params llama_sfi_default_params(void) {
         /*.fused_ops        =*/ fused_ops,
         /*.keep_graphs      =*/ keep_graphs,
         /*.fa_evidence      =*/ fa_evidence,
-        /*.n_dense_layers   =*/ 0,
     };
 
     return result;
@@ -74,7 +73,7 @@ int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params
 
     if (params->n_sel_max < 1 || params->n_tail_max < 1 || params->n_query_rows < 1 ||
         !(std::isfinite(params->evidence_alpha) && params->evidence_alpha >= 0.0f) || (int64_t) params->n_sel_max + params->n_tail_max > INT32_MAX - LLAMA_SFI_PAD ||
-        params->fa_evidence < -1 || params->fa_evidence > 1 || params->n_dense_layers < 0) {
+        params->fa_evidence < -1 || params->fa_evidence > 1) {
         return LLAMA_SFI_ERR_BAD_ARG;
     }
 
@@ -109,11 +108,6 @@ int32_t llama_sfi_init(struct llama_context * ctx, const struct llama_sfi_params
 
     if (view->cache_on_host && view->v_trans) {
         LLAMA_LOG_ERROR("%s: a cache in host memory with the view on a device needs flash attention\n", __func__);
-        return LLAMA_SFI_ERR_UNSUPPORTED;
-    }
-
-    if (view->cache_on_host && params->n_dense_layers > 0) {
-        LLAMA_LOG_ERROR("%s: dense layers in FAST steps would read the cache in host memory\n", __func__);
         return LLAMA_SFI_ERR_UNSUPPORTED;
     }
 

@@ -74,7 +74,6 @@ class llama_sfi_params(ctypes.Structure):
         ("fused_ops", ctypes.c_bool),
         ("keep_graphs", ctypes.c_bool),
         ("fa_evidence", ctypes.c_int32),
-        ("n_dense_layers", ctypes.c_int32),
     ]
 
 
@@ -197,21 +196,19 @@ class SFINative:
                  n_query_rows: int | None = None, evidence_alpha: float | None = None,
                  export_key_norms: bool | None = None, **switches):
         """The `llama_sfi_params` fields given (None or left out: the library's defaults); `switches`: its graph
-        switches fused_ops, keep_graphs and fa_evidence (-1, 0 or 1), and n_dense_layers."""
+        switches fused_ops, keep_graphs and fa_evidence (-1, 0 or 1)."""
         self.ctx = ctx
         self._initialized = False
         self.init(n_sel_max, n_tail_max, n_query_rows, evidence_alpha, export_key_norms, **switches)
 
     # -- lifetime -------------------------------------------------------------------------------
     def init(self, n_sel_max=None, n_tail_max=None, n_query_rows=None, evidence_alpha=None,
-             export_key_norms=None, *, fused_ops=None, keep_graphs=None, fa_evidence=None,
-             n_dense_layers=None) -> None:
+             export_key_norms=None, *, fused_ops=None, keep_graphs=None, fa_evidence=None) -> None:
         p = _default_params()
         for name, value in (("n_sel_max", n_sel_max), ("n_tail_max", n_tail_max),
                             ("n_query_rows", n_query_rows), ("evidence_alpha", evidence_alpha),
                             ("export_key_norms", export_key_norms), ("fused_ops", fused_ops),
-                            ("keep_graphs", keep_graphs), ("fa_evidence", fa_evidence),
-                            ("n_dense_layers", n_dense_layers)):
+                            ("keep_graphs", keep_graphs), ("fa_evidence", fa_evidence)):
             if value is not None:
                 setattr(p, name, value)
         self._initialized = False  # a failed re-init may already have freed the previous state

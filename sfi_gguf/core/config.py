@@ -37,11 +37,6 @@ class SFIConfig:
     """Selected cells per layer and KV head. None: a quarter of the context, at most 2048, see `resolve_k_head`."""
     n_recent: int = 256
     """Last cells of the context at a refresh, always attended."""
-    dense_layers: int = 0
-    """Fast steps attend to the whole KV cache, as a dense step does, in the model's first `dense_layers`
-    layers (of those SFI covers), and to the sparse memory in the others. The first layers' keys and values
-    are what every later layer reads, so an error there spreads; each such layer costs a fast step 1/n_layer
-    of a dense step's KV reads. Not with the cache in host memory (`kv_on_host`)."""
     min_context: int | None = None
     """Contexts shorter than this decode densely. None: n_sink + k_head + n_recent (nothing to gain); on the
     CPU with the default k_head 2048 (`plan.CPU_MIN_CONTEXT`); with layers on a GPU 24576, or 32768 per
@@ -159,7 +154,7 @@ class SFIConfig:
             if not ok:
                 raise ValueError(f"SFIConfig.{name}={getattr(self, name)!r}: {why}")
 
-        for name in ("n_sink", "n_recent", "selection_delay", "dense_layers"):
+        for name in ("n_sink", "n_recent", "selection_delay"):
             value = getattr(self, name)
             need(is_int(value) and value >= 0, name, "must be an integer >= 0")
         for name in ("n_prefill_queries", "refresh_layer_groups"):

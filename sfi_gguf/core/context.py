@@ -99,7 +99,6 @@ class LlamaContext:
         self.seq = 0
         self._owner = True      # closes the model and context (sequence handles do not)
         self.logits_index = -1  # row of this sequence's logits in the last llama_decode's outputs
-        self.kv_on_host = not offload_kqv and n_gpu_layers != 0  # the cache in host memory for layers on a device
         llama_cpp.llama_backend_init()
         self.model = None
         self.ctx = None

@@ -48,13 +48,6 @@ def check_split(config: SFIConfig, split_mode: str) -> None:
                          "the default) or 'none', or sfi=False for dense decoding")
 
 
-def check_dense_layers(config: SFIConfig, kv_on_host: bool) -> None:
-    """Dense layers in fast steps read the whole cache of those layers at every step: not from host memory."""
-    if config.dense_layers and kv_on_host:
-        raise ValueError(f"SFIConfig.dense_layers={config.dense_layers}: fast steps would read the KV cache in host "
-                         "memory (kv_on_host); use dense_layers=0 with kv_on_host")
-
-
 class SFIEngine:
     """Builds the steppers of one context (`ctx`, sequence 0; a batch passes each sequence's handle).
 
@@ -83,7 +76,6 @@ class SFIEngine:
             if not config.dense:
                 check_fits(config, self.ctx.n_ctx)
                 check_split(config, self.split_mode)
-                check_dense_layers(config, self.ctx.kv_on_host)
             from .bindings import default_params
 
             native_defaults = default_params() if not config.dense else None

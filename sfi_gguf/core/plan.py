@@ -130,7 +130,6 @@ class NativeParams:
     fused_ops: bool = True
     keep_graphs: bool = True
     fa_evidence: int = -1
-    n_dense_layers: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
@@ -237,5 +236,5 @@ def resolve_plan(config, n_ctx: int, offloaded: bool = False, batched: bool = Fa
                           evidence_alpha=config.selector_params.evidence_alpha, export_key_norms=True,
                           fused_ops=bool(switch(config.fused_ops, "fused_ops", True)),
                           keep_graphs=bool(switch(config.keep_graphs, "keep_graphs", True)),
-                          fa_evidence=int(switch(fa_evidence, "fa_evidence", -1)), n_dense_layers=config.dense_layers)
+                          fa_evidence=int(switch(fa_evidence, "fa_evidence", -1)))
     return SFIPlan(**parts, native=native)

@@ -49,16 +49,9 @@ VARIANTS = {
     "interval32": ("punctuation", {"refresh_interval": 32}),
     "redecode_interval32": ("punctuation", {"redecode_tail": True, "refresh_interval": 32}),
     "redecode_recent512": ("punctuation", {"redecode_tail": True, "n_recent": 512}),
-    # the first layers dense in fast steps (their KV is what every later layer reads), alone and with redecode
-    "dense1": ("punctuation", {"dense_layers": 1}),
-    "dense2": ("punctuation", {"dense_layers": 2}),
-    "dense6": ("punctuation", {"dense_layers": 6}),
-    "dense12": ("punctuation", {"dense_layers": 12}),
-    "redecode_dense2": ("punctuation", {"redecode_tail": True, "dense_layers": 2}),
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
-                "dense1", "dense2", "dense6", "dense12", "redecode_dense2",
                 "delay4", "delay16", "async16", "async64", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
