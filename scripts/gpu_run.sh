@@ -19,7 +19,8 @@
 #   .gpu/wheels-openai; SFI_LOAD_N conversations, default 8, of SFI_LOAD_DOC tokens, default 32768),
 #   host-profile (py-spy --native over sfi-gguf bench: the host's time per phase; SFI_PROFILE_DEPTHS, SFI_PROFILE_RATE samples/s),
 #   kv-on-host-bench (sfi-gguf bench --kv-on-host: dense with host KV, SFI with host KV, dense with the KV in VRAM;
-#   $SFI_KVH_RUNS, default "qwen3-4b:f16:32768,131072", e.g. "qwen3-8b:q4_k_m:131072,262144"; SFI_BENCH_N),
+#   $SFI_KVH_RUNS, default "qwen3-4b:f16:32768,131072", e.g. "qwen3-8b:q4_k_m:131072,262144"; SFI_BENCH_N;
+#   SFI_BENCH_ARGS=--prefill-in-vram loads the host cache from a prefill in GPU memory: a host-KV prefill takes minutes at 128K),
 #   keep-graphs-bench (graph keeping on and off: single at $SFI_BENCH_DEPTHS, batched $SFI_KEEP_BATCHES, default 4:32768,
 #   synchronised and --stagger 1),
 #   and multigpu (2+ GPUs: = multigpu-tests multigpu-bench, which can also run as separate calls)

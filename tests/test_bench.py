@@ -179,3 +179,5 @@ def test_picks_and_configs_compared_on_the_same_context(model):
         config_variant(config, "redecode_tail=maybe")
     with pytest.raises(SystemExit):
         main(["-m", str(model), "--batch", "2", "--sampling", "greedy", "default"])
+    with pytest.raises(SystemExit, match="--kv-on-host"):
+        main(["-m", str(model), "--prefill-in-vram"])

@@ -232,15 +232,21 @@ def test_rpc_bench_kv_on_host(servers):
     from sfi_gguf.tools.bench import run_bench_kv_on_host
 
     config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=8, min_context=0)
-    rows = run_bench_kv_on_host(four_layers(), depths=[384, 512], n_decode=24, n_gpu_layers=99, n_threads=1,
-                                config=config, n_batch=512, rpc_servers=servers[:1], log=lambda text: None)
-    assert [r.depth for r in rows] == [384, 512]
-    for r in rows:
-        assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
-        assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_s, r.prefill_vram_s) > 0, r
-        assert 0 < r.view_device_bytes < r.cache_host_bytes, r
-        assert r.sfi_async_tok_s > 0 and r.async_refreshes > 0 and r.t_async_refresh_s > 0, r
-    assert "| 512 |" in markdown_table(rows)
+    runs = {}
+    for prefill_in_vram in (False, True):  # True: the host cache loaded with the in-VRAM prefill's state
+        runs[prefill_in_vram] = rows = run_bench_kv_on_host(
+            four_layers(), depths=[384, 512], n_decode=24, n_gpu_layers=99, n_threads=1, config=config, n_batch=512,
+            prefill_in_vram=prefill_in_vram, rpc_servers=servers[:1], log=lambda text: None)
+        assert [r.depth for r in rows] == [384, 512]
+        for r in rows:
+            assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
+            assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_vram_s) > 0, r
+            assert (r.prefill_s > 0) != prefill_in_vram, r
+            assert 0 < r.view_device_bytes < r.cache_host_bytes, r
+            assert r.sfi_async_tok_s > 0 and r.async_refreshes > 0 and r.t_async_refresh_s > 0, r
+        assert "| 512 |" in markdown_table(rows)
+    # the same cache either way: the same refreshes at the same steps
+    assert [(r.slow_steps, r.fast_steps) for r in runs[True]] == [(r.slow_steps, r.fast_steps) for r in runs[False]]
 
 
 @need_rpc

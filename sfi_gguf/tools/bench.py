@@ -13,6 +13,7 @@ tokenizer, so text, boundaries and triggers are those of real text; weights do n
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import json
@@ -89,7 +90,8 @@ class BenchRow:
     async_refreshes: int = 0       # ... their number, the triggers skipped while one was computed, the seconds
     async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
     t_async_refresh_s: float = 0.0
-    prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV ...
+    prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV (0: loaded
+                                   #   from the in-VRAM prefill, --prefill-in-vram) ...
     prefill_vram_s: float = 0.0    # ... and with the cache in GPU memory
     cache_host_bytes: int = 0      # kv_on_host: the KV cache in host memory ...
     view_device_bytes: int = 0     # ... and SFI's view (the KV bytes in GPU memory)
@@ -357,86 +359,145 @@ def _prefill(llm, prompt) -> float:
     return time.perf_counter() - t0
 
 
+def _seq_state(ctx) -> ctypes.Array:
+    """The cache of ctx's sequence as llama.cpp saves it (cells, K and V: GBs at long context, held once)."""
+    from ..core.library import llama_cpp
+
+    size = llama_cpp.llama_state_seq_get_size(ctx.ctx, ctx.seq)
+    state = (ctypes.c_ubyte * size)()
+    if llama_cpp.llama_state_seq_get_data(ctx.ctx, state, size, ctx.seq) != size:
+        raise RuntimeError("llama_state_seq_get_data: the sequence's state could not be saved")
+    return state
+
+
+def _load_seq_state(ctx, state: ctypes.Array, tokens) -> None:
+    """ctx's sequence from `state` (saved by `_seq_state` after decoding `tokens`, on another context)."""
+    from ..core.library import llama_cpp
+
+    ctx.clear()
+    if llama_cpp.llama_state_seq_set_data(ctx.ctx, state, len(state), ctx.seq) != len(state):
+        raise RuntimeError("llama_state_seq_set_data: the sequence's state could not be loaded")
+    ctx.tokens[:] = list(tokens)
+
+
+def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling: str, shared: dict,
+              prefill_s: float, log: Callable[[str], None], **fields) -> BenchRow:
+    """At `depth` (the cache holds text[:depth] in host memory): dense as llama.cpp runs it, SFI with slow steps over
+    the host cache, and SFI with asynchronous refreshes; a row without the VRAM fields."""
+    ctx = llm.context
+    prompt, forced = text[:depth], text[depth:depth + n_decode]
+    llm._engine.close()  # no SFI state: dense decoding places the attention as llama.cpp does
+    dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
+    ctx.truncate(depth)
+    log(f"depth {depth}: dense with host KV {n_decode / dense_s:.1f} tok/s")
+    stepper = llm.stepper(config)
+    sfi_s = decode_forced(llm, stepper, prompt, forced, sampling)
+    ctx.truncate(depth)
+    memory = llm.memory()
+    s = stepper.stats
+    async_stepper = llm.stepper(dataclasses.replace(config, async_refresh=True, redecode_tail=False))
+    async_s = decode_forced(llm, async_stepper, prompt, forced, sampling)
+    ctx.truncate(depth)
+    a = async_stepper.stats
+    return BenchRow(
+        **shared, **fields, depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
+        dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ratio=dense_s / sfi_s,
+        slow_steps=s.n_slow, fast_steps=s.n_fast, dense_steps=s.n_dense, t_fast_s=s.t_fast,
+        t_slow_s=s.t_slow, t_selector_s=s.t_selector,
+        t_python_s=max(0.0, sfi_s - (s.t_fast + s.t_slow + s.t_selector + s.t_dense)),
+        slow_reasons=dict(s.reasons), prefill_s=prefill_s,
+        sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
+        t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
+        cache_host_bytes=memory.cache_host if memory else 0,
+        view_device_bytes=memory.view_device if memory else 0)
+
+
+def _vram_pass(vram, config: SFIConfig, depths, text, n_decode: int, sampling: str):
+    """Dense with the cache in GPU memory: the ceiling's seconds (dense at the SFI budget of the deepest depth), and
+    per depth (ascending, each extending the cache) its prefill seconds and decode tok/s. The cache ends at
+    text[:depths[-1]]."""
+    budget_depth = _budget(config, depths[-1])
+    ceiling_s = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), text[:budget_depth],
+                              text[budget_depth:budget_depth + n_decode], sampling)
+    vram.context.truncate(0)
+    at = {}
+    for depth in depths:
+        prompt, forced = text[:depth], text[depth:depth + n_decode]
+        vram.context.truncate(min(len(vram.context.tokens), depth))
+        prefill_s = _prefill(vram, prompt)
+        seconds = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
+        vram.context.truncate(depth)
+        at[depth] = (prefill_s, n_decode / seconds)
+    return n_decode / ceiling_s, at
+
+
 def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_type: str = "", depths=DEFAULT_DEPTHS,
                          n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
                          flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 4096,
                          split_mode: str = "layer", sampling: str = "greedy", type_kv: str = "f16",
-                         rpc_servers=None, log: Callable[[str], None] = print) -> list[BenchRow]:
+                         prefill_in_vram: bool = False, rpc_servers=None,
+                         log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense with host KV, SFI with host KV and dense with the KV in GPU memory at each depth; one row per depth.
     Prefill times are the seconds to extend the cache from the previous depth (the first: from empty).
+    prefill_in_vram: the host cache is not prefilled itself but loaded with the state of the prefill in GPU memory
+    (the host-KV prefill copies the cached cells to the GPU for each ubatch: minutes at 128K); its prefill_s is 0.
     rpc_servers: layers on llama.cpp rpc-servers instead of the local GPUs (the tests' stand-in for a GPU)."""
     if not n_gpu_layers:
         raise ValueError("--kv-on-host keeps the cache in host memory for layers on a GPU: it needs -ngl")
-    llm, config, depths, shared = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers,
-                                        n_threads=n_threads, flash_attn=flash_attn, config=config, n_batch=n_batch,
-                                        split_mode=split_mode, kv_on_host=True, type_kv=type_kv,
-                                        rpc_servers=rpc_servers)
+    kwargs = dict(depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
+                  flash_attn=flash_attn, config=config, n_batch=n_batch, split_mode=split_mode, type_kv=type_kv,
+                  rpc_servers=rpc_servers)
+    state = None
+    if prefill_in_vram:
+        vram, config, depths, _ = _open(model, **kwargs)
+        try:
+            text = text_tokens(vram, depths[-1] + n_decode)
+            ceiling, at = _vram_pass(vram, config, depths, text, n_decode, sampling)
+            state = _seq_state(vram.context)
+        finally:
+            vram.close()
+    llm, config, depths, shared = _open(model, **kwargs, kv_on_host=True)
     shared.update(git_commit=git_commit(12), hardware=hardware(n_gpu_layers, shared["n_gpus"]), kv_on_host=True,
-                  sampling=sampling)
-    ctx = llm.context
+                  sampling=sampling, model_shape=model_shape, weight_type=weight_type)
     text = text_tokens(llm, depths[-1] + n_decode)
     rows = []
     try:
+        if state is not None:
+            _load_seq_state(llm.context, state, text[:depths[-1]])
+            state = None
+            for depth in reversed(depths):  # each truncates the loaded cache
+                llm.context.truncate(depth)
+                rows.insert(0, _host_row(llm, config, depth, text, n_decode, sampling, shared, 0.0, log,
+                                         prefill_vram_s=at[depth][0], dense_vram_tok_s=at[depth][1],
+                                         ceiling_tok_s=ceiling))
+                log(format_row(rows[0]))
+            return rows
         for depth in depths:
-            prompt, forced = text[:depth], text[depth:depth + n_decode]
-            ctx.truncate(min(len(ctx.tokens), depth))
-            prefill_s = _prefill(llm, prompt)
-            llm._engine.close()  # no SFI state: dense decoding places the attention as llama.cpp does
-            dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
-            ctx.truncate(depth)
-            log(f"depth {depth}: prefilled in {prefill_s:.1f} s, dense with host KV {n_decode / dense_s:.1f} tok/s")
-            stepper = llm.stepper(config)
-            sfi_s = decode_forced(llm, stepper, prompt, forced, sampling)
-            ctx.truncate(depth)
-            memory = llm.memory()
-            s = stepper.stats
-            async_stepper = llm.stepper(dataclasses.replace(config, async_refresh=True, redecode_tail=False))
-            async_s = decode_forced(llm, async_stepper, prompt, forced, sampling)
-            ctx.truncate(depth)
-            a = async_stepper.stats
-            rows.append(BenchRow(
-                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth,
-                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
-                dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ceiling_tok_s=0.0, ratio=dense_s / sfi_s,
-                slow_steps=s.n_slow, fast_steps=s.n_fast, dense_steps=s.n_dense, t_fast_s=s.t_fast,
-                t_slow_s=s.t_slow, t_selector_s=s.t_selector,
-                t_python_s=max(0.0, sfi_s - (s.t_fast + s.t_slow + s.t_selector + s.t_dense)),
-                slow_reasons=dict(s.reasons), prefill_s=prefill_s,
-                sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
-                t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
-                cache_host_bytes=memory.cache_host if memory else 0,
-                view_device_bytes=memory.view_device if memory else 0))
+            llm.context.truncate(min(len(llm.context.tokens), depth))
+            prefill_s = _prefill(llm, text[:depth])
+            log(f"depth {depth}: prefilled in {prefill_s:.1f} s")
+            rows.append(_host_row(llm, config, depth, text, n_decode, sampling, shared, prefill_s, log, ceiling_tok_s=0.0))
             log(format_row(rows[-1]))
     finally:
         llm.close()
 
     # the same depths with the cache in GPU memory, where it fits
     try:
-        vram, *_ = _open(model, depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
-                         flash_attn=flash_attn, config=config, n_batch=n_batch, split_mode=split_mode,
-                         type_kv=type_kv, rpc_servers=rpc_servers)
+        vram, *_ = _open(model, **kwargs)
     except (ValueError, MemoryError, RuntimeError) as e:
         log(f"dense with the KV cache in GPU memory: does not fit ({e})")
         return rows
     try:
-        budget_depth = _budget(config, depths[-1])
-        ceiling_s = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), text[:budget_depth],
-                                  text[budget_depth:budget_depth + n_decode], sampling)
-        vram.context.truncate(0)
-        for row in rows:
-            prompt, forced = text[:row.depth], text[row.depth:row.depth + n_decode]
-            vram.context.truncate(min(len(vram.context.tokens), row.depth))
-            row.prefill_vram_s = _prefill(vram, prompt)
-            seconds = decode_forced(vram, vram.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
-            vram.context.truncate(row.depth)
-            row.dense_vram_tok_s = n_decode / seconds
-            row.ceiling_tok_s = n_decode / ceiling_s
-            log(f"depth {row.depth}: dense with the KV cache in GPU memory {row.dense_vram_tok_s:.1f} tok/s, "
-                f"prefill {row.prefill_vram_s:.1f} s (host KV: {row.prefill_s:.1f} s); SFI with host KV / dense in "
-                f"VRAM: {row.sfi_tok_s / row.dense_vram_tok_s:.2f}x, asynchronous refreshes "
-                f"{row.sfi_async_tok_s / row.dense_vram_tok_s:.2f}x")
+        ceiling, at = _vram_pass(vram, config, depths, text, n_decode, sampling)
     finally:
         vram.close()
+    for row in rows:
+        row.prefill_vram_s, row.dense_vram_tok_s = at[row.depth]
+        row.ceiling_tok_s = ceiling
+        log(f"depth {row.depth}: dense with the KV cache in GPU memory {row.dense_vram_tok_s:.1f} tok/s, "
+            f"prefill {row.prefill_vram_s:.1f} s (host KV: {row.prefill_s:.1f} s); SFI with host KV / dense in "
+            f"VRAM: {row.sfi_tok_s / row.dense_vram_tok_s:.2f}x, asynchronous refreshes "
+            f"{row.sfi_async_tok_s / row.dense_vram_tok_s:.2f}x")
     return rows
 
 
@@ -607,7 +668,7 @@ def format_kv_on_host_row(r: BenchRow) -> str:
     ratio_vram = f"**{r.sfi_tok_s / r.dense_vram_tok_s:.2f}x**" if r.dense_vram_tok_s else "-"
     async_vram = f"**{r.sfi_async_tok_s / r.dense_vram_tok_s:.2f}x**" if r.dense_vram_tok_s else "-"
     return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {vram} | {ratio_vram} | "
-            f"{r.sfi_async_tok_s:.1f} | {async_vram} | {r.prefill_s:.1f} / {r.prefill_vram_s:.1f} | "
+            f"{r.sfi_async_tok_s:.1f} | {async_vram} | {f'{r.prefill_s:.1f}' if r.prefill_s else '-'} / {r.prefill_vram_s:.1f} | "
             f"{r.view_device_bytes / 2**20:.0f} / {r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} | "
             f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}) |")
 
@@ -708,6 +769,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-on-host", action="store_true",
                    help="the KV cache in host memory: dense as llama.cpp runs it with offload_kqv=False, SFI with only "
                         "its view on the GPU, and dense with the cache in GPU memory where it fits (needs -ngl)")
+    p.add_argument("--prefill-in-vram", action="store_true",
+                   help="with --kv-on-host: fill the host cache with the state of a prefill with the cache in GPU "
+                        "memory (which must fit) instead of prefilling it itself (a host-KV prefill copies the cached "
+                        "cells to the GPU for every ubatch: minutes at 128K); its prefill time is then not measured")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -752,10 +817,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--variant: {e}")
     if (len(args.sampling) > 1 or variants) and (args.batch > 1 or args.kv_on_host):
         raise SystemExit("several --sampling values and --variant: single sequences, the KV cache in GPU memory")
+    if args.prefill_in_vram and not args.kv_on_host:
+        raise SystemExit("--prefill-in-vram: only with --kv-on-host")
     if args.kv_on_host:
         if args.batch > 1 or trace or args.type_kv != "f16":
             raise SystemExit("--kv-on-host: single sequences without --confidence-trace, an F16 cache")
-        rows = run_bench_kv_on_host(model, **kwargs)
+        rows = run_bench_kv_on_host(model, prefill_in_vram=args.prefill_in_vram, **kwargs)
     elif args.batch > 1:
         rows = run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
     else:
