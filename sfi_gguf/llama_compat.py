@@ -86,7 +86,8 @@ class Llama(llama_cpp.Llama):
         check_fits(self.sfi_config, n_ctx)
         flash = self.context_params.flash_attn_type == llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED
         self._sfi_ctx = BorrowedContext(self.model, self.ctx, n_ctx=n_ctx, n_batch=self.n_batch, flash_attn=flash,
-                                        scores=self.scores if self._logits_all else None)
+                                        scores=self.scores if self._logits_all else None,
+                                        kv_on_host=offload and not self.context_params.offload_kqv)
         self._sfi_engine = SFIEngine(self._sfi_ctx, self.model_params.n_gpu_layers if offload else 0, split_mode)
 
     def _sfi_reason_unavailable(self, kwargs: dict) -> Optional[str]:

@@ -207,6 +207,11 @@ def test_a_plan_resolves_the_config_once_into_immutable_parts():
     assert gpu.options.device_selector and gpu.options.min_context == GPU_MIN_CONTEXT
     assert resolve_plan(SFIConfig(), 65536, offloaded=True, batched=True).options.min_context == GPU_BATCHED_MIN_CONTEXT
     assert not resolve_plan(SFIConfig(device_selector=False), 65536, offloaded=True).options.device_selector
+    # the cache in host memory: refreshes off the decoding thread unless the config says otherwise
+    assert not gpu.options.async_refresh
+    assert resolve_plan(SFIConfig(), 65536, offloaded=True, kv_on_host=True).options.async_refresh
+    for config in (SFIConfig(async_refresh=False), SFIConfig(redecode_tail=True)):
+        assert not resolve_plan(config, 65536, offloaded=True, kv_on_host=True).options.async_refresh
     # sink + recent only spends the selection's budget on the recent window; dense has no native state
     assert resolve_plan(SFIConfig(policy="sink_recent", k_head=64), 4096).budget.recent_at(4096) == 256 + 64
     assert resolve_plan(SFIConfig(policy="dense"), 4096).native is None

@@ -168,6 +168,7 @@ def test_async_refresh_is_validated():
         SFIConfig(async_refresh=True, redecode_tail=True)
     with pytest.raises(ValueError, match="async_refresh"):
         SFIConfig(async_refresh=1)
+    SFIConfig(async_refresh=None, redecode_tail=True)  # (None: off with redecode_tail)
 
 
 def test_async_refresh_in_a_batch_with_every_cell_selected_equals_dense(tiny_path):

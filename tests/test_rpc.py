@@ -171,7 +171,9 @@ def test_rpc_kv_on_host_decodes_as_kv_on_device(servers):
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 300, 700)]
     forced = [int(t) for t in rng.integers(3, 300, 48)]
-    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0)
+    # (refreshed by slow steps on both: with kv_on_host async_refresh is on unless set)
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0,
+                       async_refresh=False)
     runs, memories = [], []
     for kv_on_host in (True, False):
         with SFILlama(four_layers(), n_ctx=1024, n_threads=1, n_gpu_layers=99, rpc_servers=servers[:1],
@@ -208,7 +210,8 @@ from sfi_gguf.core.config import SFIConfig
 from sfi_gguf.sfi_llama import SFILlama
 from sfi_gguf.tools.random_model import random_model
 prompt = [int(t) for t in np.random.default_rng(1).integers(3, 300, 700)]
-config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0)
+config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=16, min_context=0,
+                   async_refresh=False)
 runs = []
 for kv_on_host in (True, False):
     with SFILlama(random_model("tiny-qwen3", n_layer=4), n_ctx=1024, n_threads=1, n_gpu_layers=99, n_batch=512,
@@ -247,6 +250,22 @@ def test_rpc_bench_kv_on_host(servers):
         assert "| 512 |" in markdown_table(rows)
     # the same cache either way: the same refreshes at the same steps
     assert [(r.slow_steps, r.fast_steps) for r in runs[True]] == [(r.slow_steps, r.fast_steps) for r in runs[False]]
+
+
+@need_rpc
+def test_rpc_kv_on_host_refreshes_asynchronously_by_default(servers):
+    """With the cache in host memory a refresh reads it on the CPU: unless the config says otherwise, it is computed
+    off the decoding thread (async_refresh), and no slow step runs after the bootstrap."""
+    rng = np.random.default_rng(2)
+    prompt = [int(t) for t in rng.integers(3, 300, 700)]
+    config = SFIConfig(k_head=64, n_sink=4, n_recent=32, policy="fixed", fixed_period=8, min_context=0)
+    with SFILlama(four_layers(), n_ctx=1024, n_threads=1, n_gpu_layers=99, rpc_servers=servers[:1], n_batch=512,
+                  sfi=config, kv_on_host=True) as llm:
+        assert llm.effective_config(config).async_refresh is True
+        assert llm.effective_config(config.replace(redecode_tail=True)).async_refresh is False
+        out = llm.generate(prompt, max_tokens=32, temperature=0, ignore_eos=True)
+    s = out.stats.sfi
+    assert s.n_slow == 0 and s.n_host_refresh > 0 and s.n_fast > 0, s
 
 
 @need_rpc

@@ -73,7 +73,7 @@ class SFIConfig:
     but the fast steps in between read a stale memory, which lowers agreement with dense decoding, so
     it is off by default."""
 
-    async_refresh: bool = False
+    async_refresh: bool | None = None
     """With the KV cache in host memory (`kv_on_host`), a refresh runs off the decoding thread: the trigger's
     step is a fast one that also keeps its token's queries, and the CPU computes that token's evidence over
     the host cache and runs the Selector in a worker thread while the GPU decodes fast steps with the loaded
@@ -81,7 +81,9 @@ class SFIConfig:
     for it then), or exactly `selection_delay` steps later when that is set (outputs then do not depend on thread
     timing). A trigger that comes while a refresh is computed is skipped. The GPU never runs a dense step over
     the host cache after the bootstrap, at the price of a stale memory for the steps in between (measured:
-    BENCHMARKS.md, "The speed options' quality price"). Needs a cache in host memory."""
+    BENCHMARKS.md, "The speed options' quality price"). Needs a cache in host memory. None: on with `kv_on_host`
+    (unless `redecode_tail`), where a synchronous refresh reads the whole host cache on the CPU (0.5 s at 32K on
+    16 cores: BENCHMARKS.md, "Contexts larger than the GPU"), else off."""
 
     redecode_tail: bool = False
     """A slow step decodes again, densely, the tokens that fast steps wrote since the last refresh, in one
@@ -169,8 +171,9 @@ class SFIConfig:
         for name in ("device_selector", "fused_ops", "fa_evidence", "keep_graphs"):
             need(getattr(self, name) is None or type(getattr(self, name)) is bool, name, "must be None, True or False")
         need(type(self.redecode_tail) is bool, "redecode_tail", "must be True or False")
-        need(type(self.async_refresh) is bool, "async_refresh", "must be True or False")
-        need(not (self.async_refresh and self.redecode_tail), "async_refresh",
+        need(self.async_refresh is None or type(self.async_refresh) is bool, "async_refresh",
+             "must be None (on with kv_on_host), True or False")
+        need(not (self.async_refresh is True and self.redecode_tail), "async_refresh",
              "cannot be combined with redecode_tail (an asynchronous refresh decodes no slow step)")
         need(isinstance(self.policy, str) and self.policy in POLICIES, "policy", f"unknown policy; known: {', '.join(POLICIES)}")
         need(isinstance(self.selector, str) and self.selector in SELECTORS, "selector", f"unknown selector; known: {', '.join(SELECTORS)}")

@@ -99,6 +99,7 @@ class LlamaContext:
         self.seq = 0
         self._owner = True      # closes the model and context (sequence handles do not)
         self.logits_index = -1  # row of this sequence's logits in the last llama_decode's outputs
+        self.kv_on_host = not offload_kqv and n_gpu_layers != 0  # the cache in host memory for layers on a device
         llama_cpp.llama_backend_init()
         self.model = None
         self.ctx = None
@@ -526,8 +527,10 @@ class BorrowedContext(LlamaContext):
     llama-cpp-python's own `eval` does.
     """
 
-    def __init__(self, model, ctx, n_ctx: int, n_batch: int, flash_attn: bool, scores: np.ndarray | None = None):
+    def __init__(self, model, ctx, n_ctx: int, n_batch: int, flash_attn: bool, scores: np.ndarray | None = None,
+                 kv_on_host: bool = False):
         self.seq = 0
+        self.kv_on_host = kv_on_host
         self._owner = False
         self.logits_index = -1
         self._cb_eval = None

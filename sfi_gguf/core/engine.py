@@ -66,7 +66,8 @@ class SFIEngine:
 
     def effective_config(self, config: SFIConfig, batched: bool = False) -> SFIConfig:
         """`config` with the defaults that depend on where the model runs filled in."""
-        return effective_config(config, offloaded=bool(self.n_gpu_layers), batched=batched)
+        return effective_config(config, offloaded=bool(self.n_gpu_layers), batched=batched,
+                                kv_on_host=self.ctx.kv_on_host)
 
     def plan(self, config: SFIConfig, batched: bool = False) -> SFIPlan:
         """The plan of `config` on this context (checked, its defaults filled in), resolved once per config."""
@@ -80,6 +81,7 @@ class SFIEngine:
 
             native_defaults = default_params() if not config.dense else None
             plan = resolve_plan(config, self.ctx.n_ctx, offloaded=bool(self.n_gpu_layers), batched=batched,
+                                kv_on_host=self.ctx.kv_on_host,
                                 native_defaults=native_defaults)
             if len(self._plans) >= 64:  # a server's requests may each bring a config: keep the recent ones
                 del self._plans[next(iter(self._plans))]

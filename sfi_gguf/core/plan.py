@@ -178,10 +178,14 @@ def budget_of(config) -> Budget:
                   recent_spends_k_head=POLICIES[config.policy].memory is MemoryMode.SINK_RECENT)
 
 
-def effective_config(config, offloaded: bool, batched: bool = False):
+def effective_config(config, offloaded: bool, batched: bool = False, kv_on_host: bool = False):
     """`config` (an `SFIConfig`) with the defaults that depend on where the model runs filled in: `offloaded`,
-    layers on a GPU (or RPC); `batched`, sequences decoded in a batch."""
+    layers on a GPU (or RPC); `batched`, sequences decoded in a batch; `kv_on_host`, the KV cache in host memory for
+    those layers."""
     changes = {}
+    if kv_on_host and config.async_refresh is None:
+        # a synchronous refresh would read the whole host cache on the CPU at every trigger
+        changes["async_refresh"] = not config.redecode_tail
     if offloaded and config.device_selector is None:
         # the numpy Selector would cost about as much as the slow step: it runs in the slow step's graph
         changes["device_selector"] = True
@@ -201,15 +205,15 @@ def options_of(config) -> ExecOptions:
     return ExecOptions(min_context=config.min_context, device_selector=bool(config.device_selector),
                        n_candidates=config.n_candidates, selection_delay=config.selection_delay,
                        refresh_layer_groups=config.refresh_layer_groups, n_prefill_queries=config.n_prefill_queries,
-                       redecode_tail=config.redecode_tail, async_refresh=config.async_refresh)
+                       redecode_tail=config.redecode_tail, async_refresh=bool(config.async_refresh))
 
 
 def resolve_plan(config, n_ctx: int, offloaded: bool = False, batched: bool = False,
-                 native_defaults: dict[str, Any] | None = None) -> SFIPlan:
+                 native_defaults: dict[str, Any] | None = None, kv_on_host: bool = False) -> SFIPlan:
     """The plan of `config`, an `SFIConfig`, for a context of `n_ctx` cells, its defaults filled in by
-    `effective_config(config, offloaded, batched)`. native_defaults: `bindings.default_params()`, the library's
+    `effective_config(config, offloaded, batched, kv_on_host)`. native_defaults: `bindings.default_params()`, the library's
     defaults of the switches that `config` leaves None (the environment's overrides among them)."""
-    config = effective_config(config, offloaded, batched)
+    config = effective_config(config, offloaded, batched, kv_on_host)
     budget = budget_of(config)
     options = options_of(config)
     parts = dict(budget=budget, policy=POLICIES[config.policy], policy_params=config.policy_params,

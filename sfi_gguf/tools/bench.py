@@ -390,7 +390,7 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
     dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
     ctx.truncate(depth)
     log(f"depth {depth}: dense with host KV {n_decode / dense_s:.1f} tok/s")
-    stepper = llm.stepper(config)
+    stepper = llm.stepper(dataclasses.replace(config, async_refresh=False))  # refreshed by slow steps
     sfi_s = decode_forced(llm, stepper, prompt, forced, sampling)
     ctx.truncate(depth)
     memory = llm.memory()
