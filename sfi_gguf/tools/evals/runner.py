@@ -49,9 +49,13 @@ VARIANTS = {
     "interval32": ("punctuation", {"refresh_interval": 32}),
     "redecode_interval32": ("punctuation", {"redecode_tail": True, "refresh_interval": 32}),
     "redecode_recent512": ("punctuation", {"redecode_tail": True, "n_recent": 512}),
+    # twice the selection (k_head 4096, whatever the budget's), alone and with redecode: what more cells win back
+    "k4096": ("punctuation", {"k_head": 4096}),
+    "redecode_k4096": ("punctuation", {"redecode_tail": True, "k_head": 4096}),
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
+                "k4096", "redecode_k4096",
                 "delay4", "delay16", "async16", "async64", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
@@ -170,10 +174,10 @@ def _qa_case(llm, module, case: common.Case, tokens: list[int], configs: dict) -
 
 def policy_config(name: str, k_head: int, n_recent: int) -> SFIConfig:
     """The config of a policy or variant (`VARIANTS`) at one budget (n_sink + k_head + n_recent): a variant with
-    its own n_recent takes the difference from k_head."""
+    its own n_recent takes the difference from k_head; one with its own k_head keeps it."""
     policy, params = VARIANTS.get(name, (name, {}))
     params = {"n_recent": n_recent, **params}
-    k_head -= params["n_recent"] - n_recent
+    k_head = params.pop("k_head", k_head) - (params["n_recent"] - n_recent)
     if k_head < 1:
         raise ValueError(f"{name}: its recent window of {params['n_recent']} leaves no k_head in this budget")
     return SFIConfig(policy=policy, k_head=k_head, **params)
