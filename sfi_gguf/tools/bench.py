@@ -381,7 +381,7 @@ def _load_seq_state(ctx, state: ctypes.Array, tokens) -> None:
 
 
 def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling: str, shared: dict,
-              prefill_s: float, log: Callable[[str], None], **fields) -> BenchRow:
+              prefill_s: float, log: Callable[[str], None]) -> BenchRow:
     """At `depth` (the cache holds text[:depth] in host memory): dense as llama.cpp runs it, SFI with slow steps over
     the host cache, and SFI with asynchronous refreshes; a row without the VRAM fields."""
     ctx = llm.context
@@ -400,8 +400,8 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
     ctx.truncate(depth)
     a = async_stepper.stats
     return BenchRow(
-        **shared, **fields, depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
-        dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ratio=dense_s / sfi_s,
+        **shared, depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
+        dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ceiling_tok_s=0.0, ratio=dense_s / sfi_s,
         slow_steps=s.n_slow, fast_steps=s.n_fast, dense_steps=s.n_dense, t_fast_s=s.t_fast,
         t_slow_s=s.t_slow, t_selector_s=s.t_selector,
         t_python_s=max(0.0, sfi_s - (s.t_fast + s.t_slow + s.t_selector + s.t_dense)),
@@ -447,7 +447,7 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
     kwargs = dict(depths=depths, n_decode=n_decode, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                   flash_attn=flash_attn, config=config, n_batch=n_batch, split_mode=split_mode, type_kv=type_kv,
                   rpc_servers=rpc_servers)
-    state = None
+    state = at = None
     if prefill_in_vram:
         vram, config, depths, _ = _open(model, **kwargs)
         try:
@@ -467,30 +467,29 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
             state = None
             for depth in reversed(depths):  # each truncates the loaded cache
                 llm.context.truncate(depth)
-                rows.insert(0, _host_row(llm, config, depth, text, n_decode, sampling, shared, 0.0, log,
-                                         prefill_vram_s=at[depth][0], dense_vram_tok_s=at[depth][1],
-                                         ceiling_tok_s=ceiling))
+                rows.insert(0, _host_row(llm, config, depth, text, n_decode, sampling, shared, 0.0, log))
                 log(format_row(rows[0]))
-            return rows
-        for depth in depths:
-            llm.context.truncate(min(len(llm.context.tokens), depth))
-            prefill_s = _prefill(llm, text[:depth])
-            log(f"depth {depth}: prefilled in {prefill_s:.1f} s")
-            rows.append(_host_row(llm, config, depth, text, n_decode, sampling, shared, prefill_s, log, ceiling_tok_s=0.0))
-            log(format_row(rows[-1]))
+        else:
+            for depth in depths:
+                llm.context.truncate(min(len(llm.context.tokens), depth))
+                prefill_s = _prefill(llm, text[:depth])
+                log(f"depth {depth}: prefilled in {prefill_s:.1f} s")
+                rows.append(_host_row(llm, config, depth, text, n_decode, sampling, shared, prefill_s, log))
+                log(format_row(rows[-1]))
     finally:
         llm.close()
 
-    # the same depths with the cache in GPU memory, where it fits
-    try:
-        vram, *_ = _open(model, **kwargs)
-    except (ValueError, MemoryError, RuntimeError) as e:
-        log(f"dense with the KV cache in GPU memory: does not fit ({e})")
-        return rows
-    try:
-        ceiling, at = _vram_pass(vram, config, depths, text, n_decode, sampling)
-    finally:
-        vram.close()
+    if at is None:
+        # the same depths with the cache in GPU memory, where it fits
+        try:
+            vram, *_ = _open(model, **kwargs)
+        except (ValueError, MemoryError, RuntimeError) as e:
+            log(f"dense with the KV cache in GPU memory: does not fit ({e})")
+            return rows
+        try:
+            ceiling, at = _vram_pass(vram, config, depths, text, n_decode, sampling)
+        finally:
+            vram.close()
     for row in rows:
         row.prefill_vram_s, row.dense_vram_tok_s = at[row.depth]
         row.ceiling_tok_s = ceiling
