@@ -181,3 +181,5 @@ def test_picks_and_configs_compared_on_the_same_context(model):
         main(["-m", str(model), "--batch", "2", "--sampling", "greedy", "default"])
     with pytest.raises(SystemExit, match="--kv-on-host"):
         main(["-m", str(model), "--prefill-in-vram"])
+    with pytest.raises(SystemExit, match="--dense-host-n"):
+        main(["-m", str(model), "--dense-host-n", "8"])

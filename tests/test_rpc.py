@@ -239,8 +239,10 @@ def test_rpc_bench_kv_on_host(servers):
     for prefill_in_vram in (False, True):  # True: the host cache loaded with the in-VRAM prefill's state
         runs[prefill_in_vram] = rows = run_bench_kv_on_host(
             four_layers(), depths=[384, 512], n_decode=24, n_gpu_layers=99, n_threads=1, config=config, n_batch=512,
-            prefill_in_vram=prefill_in_vram, rpc_servers=servers[:1], log=lambda text: None)
+            prefill_in_vram=prefill_in_vram, n_dense_host=8 if prefill_in_vram else 0, rpc_servers=servers[:1],
+            log=lambda text: None)
         assert [r.depth for r in rows] == [384, 512]
+        assert [r.dense_host_tokens for r in rows] == [8 if prefill_in_vram else 24] * 2
         for r in rows:
             assert r.kv_on_host and r.slow_steps > 0 and r.fast_steps > 0, r
             assert min(r.dense_tok_s, r.sfi_tok_s, r.dense_vram_tok_s, r.ceiling_tok_s, r.prefill_vram_s) > 0, r

@@ -90,6 +90,8 @@ class BenchRow:
     async_refreshes: int = 0       # ... their number, the triggers skipped while one was computed, the seconds
     async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
     t_async_refresh_s: float = 0.0
+    dense_host_tokens: int = 0     # kv_on_host: tokens the dense host-KV row decoded (fewer than decoded_tokens where
+    #                                --dense-host-n says: each of its steps reads the whole cache on the CPU)
     prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV (0: loaded
                                    #   from the in-VRAM prefill, --prefill-in-vram) ...
     prefill_vram_s: float = 0.0    # ... and with the cache in GPU memory
@@ -381,15 +383,17 @@ def _load_seq_state(ctx, state: ctypes.Array, tokens) -> None:
 
 
 def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling: str, shared: dict,
-              prefill_s: float, log: Callable[[str], None]) -> BenchRow:
+              prefill_s: float, n_dense: int, log: Callable[[str], None]) -> BenchRow:
     """At `depth` (the cache holds text[:depth] in host memory): dense as llama.cpp runs it, SFI with slow steps over
     the host cache, and SFI with asynchronous refreshes; a row without the VRAM fields."""
     ctx = llm.context
     prompt, forced = text[:depth], text[depth:depth + n_decode]
     llm._engine.close()  # no SFI state: dense decoding places the attention as llama.cpp does
-    dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced, sampling)
+    n_dense = min(n_decode, n_dense or n_decode)
+    dense_s = decode_forced(llm, llm.stepper(SFIConfig(policy="dense")), prompt, forced[:n_dense], sampling)
+    dense_s *= n_decode / n_dense  # per n_decode tokens, as the other rows
     ctx.truncate(depth)
-    log(f"depth {depth}: dense with host KV {n_decode / dense_s:.1f} tok/s")
+    log(f"depth {depth}: dense with host KV {n_decode / dense_s:.1f} tok/s ({n_dense} tokens)")
     stepper = llm.stepper(dataclasses.replace(config, async_refresh=False))  # refreshed by slow steps
     sfi_s = decode_forced(llm, stepper, prompt, forced, sampling)
     ctx.truncate(depth)
@@ -405,7 +409,7 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
         slow_steps=s.n_slow, fast_steps=s.n_fast, dense_steps=s.n_dense, t_fast_s=s.t_fast,
         t_slow_s=s.t_slow, t_selector_s=s.t_selector,
         t_python_s=max(0.0, sfi_s - (s.t_fast + s.t_slow + s.t_selector + s.t_dense)),
-        slow_reasons=dict(s.reasons), prefill_s=prefill_s,
+        slow_reasons=dict(s.reasons), prefill_s=prefill_s, dense_host_tokens=n_dense,
         sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
         t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
         cache_host_bytes=memory.cache_host if memory else 0,
@@ -435,12 +439,13 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
                          n_decode: int = 256, n_gpu_layers: int = 0, n_threads: int | None = None,
                          flash_attn: bool | None = None, config: SFIConfig | None = None, n_batch: int = 4096,
                          split_mode: str = "layer", sampling: str = "greedy", type_kv: str = "f16",
-                         prefill_in_vram: bool = False, rpc_servers=None,
+                         prefill_in_vram: bool = False, n_dense_host: int = 0, rpc_servers=None,
                          log: Callable[[str], None] = print) -> list[BenchRow]:
     """Dense with host KV, SFI with host KV and dense with the KV in GPU memory at each depth; one row per depth.
     Prefill times are the seconds to extend the cache from the previous depth (the first: from empty).
     prefill_in_vram: the host cache is not prefilled itself but loaded with the state of the prefill in GPU memory
     (the host-KV prefill copies the cached cells to the GPU for each ubatch: minutes at 128K); its prefill_s is 0.
+    n_dense_host: tokens the dense host-KV row decodes (0: n_decode), its tok/s the same per step.
     rpc_servers: layers on llama.cpp rpc-servers instead of the local GPUs (the tests' stand-in for a GPU)."""
     if not n_gpu_layers:
         raise ValueError("--kv-on-host keeps the cache in host memory for layers on a GPU: it needs -ngl")
@@ -467,14 +472,15 @@ def run_bench_kv_on_host(model: str | Path, *, model_shape: str = "", weight_typ
             state = None
             for depth in reversed(depths):  # each truncates the loaded cache
                 llm.context.truncate(depth)
-                rows.insert(0, _host_row(llm, config, depth, text, n_decode, sampling, shared, 0.0, log))
+                rows.insert(0, _host_row(llm, config, depth, text, n_decode, sampling, shared, 0.0, n_dense_host, log))
                 log(format_row(rows[0]))
         else:
             for depth in depths:
                 llm.context.truncate(min(len(llm.context.tokens), depth))
                 prefill_s = _prefill(llm, text[:depth])
                 log(f"depth {depth}: prefilled in {prefill_s:.1f} s")
-                rows.append(_host_row(llm, config, depth, text, n_decode, sampling, shared, prefill_s, log))
+                rows.append(_host_row(llm, config, depth, text, n_decode, sampling, shared, prefill_s, n_dense_host,
+                                            log))
                 log(format_row(rows[-1]))
     finally:
         llm.close()
@@ -772,6 +778,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --kv-on-host: fill the host cache with the state of a prefill with the cache in GPU "
                         "memory (which must fit) instead of prefilling it itself (a host-KV prefill copies the cached "
                         "cells to the GPU for every ubatch: minutes at 128K); its prefill time is then not measured")
+    p.add_argument("--dense-host-n", type=int, default=0, metavar="N",
+                   help="with --kv-on-host: decode N tokens in the dense host-KV row (default: -n; each of its steps "
+                        "reads the whole cache on the CPU: seconds at 128K)")
     p.add_argument("--json", default=None, help="write the rows here (default: benchmarks/results/bench-<...>.json "
                                                  "when run from a checkout, else none)")
     p.add_argument("--markdown", default=None, help="also write the table to this Markdown file")
@@ -818,10 +827,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("several --sampling values and --variant: single sequences, the KV cache in GPU memory")
     if args.prefill_in_vram and not args.kv_on_host:
         raise SystemExit("--prefill-in-vram: only with --kv-on-host")
+    if args.dense_host_n and not args.kv_on_host or args.dense_host_n < 0:
+        raise SystemExit("--dense-host-n: a positive count, only with --kv-on-host")
     if args.kv_on_host:
         if args.batch > 1 or trace or args.type_kv != "f16":
             raise SystemExit("--kv-on-host: single sequences without --confidence-trace, an F16 cache")
-        rows = run_bench_kv_on_host(model, prefill_in_vram=args.prefill_in_vram, **kwargs)
+        rows = run_bench_kv_on_host(model, prefill_in_vram=args.prefill_in_vram, n_dense_host=args.dense_host_n,
+                                    **kwargs)
     elif args.batch > 1:
         rows = run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
     else:
