@@ -31,62 +31,251 @@ static void sfi_row_to_f32(ggml_type t, const char * row, float * y, int64_t n) 
     }
 }
 
-#if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
-#define SFI_DOT_ROWS_SIMD
-// s[r] = x.q_r for R rows q_r of q (n floats each, one after the other), x read once
-template <int R>
-static void sfi_dot_rows_simd(int64_t n, const float * x, const float * q, float * s) {
-    const int64_t n_simd = n - n % GGML_F32_EPR;
-    GGML_F32_VEC acc[R];
-    for (int r = 0; r < R; ++r) {
-        acc[r] = GGML_F32_VEC_ZERO;
-    }
-    for (int64_t d = 0; d < n_simd; d += GGML_F32_EPR) {
-        const GGML_F32_VEC xv = GGML_F32_VEC_LOAD(x + d);
-        for (int r = 0; r < R; ++r) {
-            acc[r] = GGML_F32_VEC_FMA(acc[r], GGML_F32_VEC_LOAD(q + r*n + d), xv);
+// the cells [c0, c0 + n_c) of stream b of t (K or V [D, n_kv, n_head_kv, ns] of a float type) as F32, [head][cell][D]:
+// each cell's heads in turn, as a cache's row holds them
+static void sfi_block_to_f32(const ggml_tensor * t, int64_t c0, int64_t n_c, int64_t b, float * y) {
+    const int64_t D = t->ne[0];
+    for (int64_t i = 0; i < n_c; ++i) {
+        for (int64_t h = 0; h < t->ne[2]; ++h) {
+            sfi_row_to_f32(t->type, (const char *) t->data + (c0 + i)*t->nb[1] + h*t->nb[2] + b*t->nb[3],
+                    y + (h*n_c + i)*D, D);
         }
-    }
-    float lanes[GGML_F32_EPR];
-    for (int r = 0; r < R; ++r) {
-        GGML_F32_VEC_STORE(lanes, acc[r]);
-        float sum = 0.0f;
-        for (int e = 0; e < GGML_F32_EPR; ++e) {
-            sum += lanes[e];
-        }
-        for (int64_t d = n_simd; d < n; ++d) {
-            sum += x[d]*q[r*n + d];
-        }
-        s[r] = sum;
     }
 }
+
+#if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
+#define SFI_ROWS_SIMD
+
+// the sum of a vector's lanes
+static inline float sfi_vec_hsum(GGML_F32_VEC v) {
+#if defined(__AVX512F__)
+    // the masked forms, every lane set: the unmasked ones start from an undefined register, which GCC 12 warns about
+    v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, 0xffff, v, v, 0x4e)); // 256-bit halves
+    v = _mm512_add_ps(v, _mm512_mask_shuffle_f32x4(v, 0xffff, v, v, 0xb1)); // 128-bit lanes
+    v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, 0xffff, v, 0x4e));       // pairs
+    v = _mm512_add_ps(v, _mm512_mask_permute_ps(v, 0xffff, v, 0xb1));       // neighbours
+    return _mm512_cvtss_f32(v);
+#elif defined(__AVX__)
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+#elif defined(__aarch64__)
+    return vaddvq_f32(v);
+#else
+    float lanes[GGML_F32_EPR];
+    GGML_F32_VEC_STORE(lanes, v);
+    float sum = 0.0f;
+    for (int e = 0; e < GGML_F32_EPR; ++e) {
+        sum += lanes[e];
+    }
+    return sum;
+#endif
+}
+
+// keys per block of the score kernel: as many as the vector registers hold accumulators for (4 rows each)
+#if defined(__AVX512F__)
+static constexpr int SFI_SCORE_KEYS = 4;
+#else
+static constexpr int SFI_SCORE_KEYS = 2;
 #endif
 
-// s[j] = x.q_j for the n_q rows q_j of q (n floats each, one after the other), x read once per four rows
-static void sfi_dot_rows_f32(int64_t n, const float * x, const float * q, int64_t n_q, float * s) {
+// s[r*s_stride + i] = x_i.q_r for NK keys x_i (x_stride floats apart) and R query rows q_r of q (n floats each, one
+// after the other): each key and row read once, NK*R independent sums. NORM: norms[i*norm_stride] = |x_i| too
+template <int NK, int R, bool NORM>
+static void sfi_scores_block_simd(int64_t n, const float * x, int64_t x_stride, const float * q, float * s,
+        int64_t s_stride, float * norms, int64_t norm_stride) {
+    const int64_t n_simd = n - n % GGML_F32_EPR;
+    GGML_F32_VEC acc[NK][R];
+    GGML_F32_VEC acc_n[NK];
+    for (int i = 0; i < NK; ++i) {
+        acc_n[i] = GGML_F32_VEC_ZERO;
+        for (int r = 0; r < R; ++r) {
+            acc[i][r] = GGML_F32_VEC_ZERO;
+        }
+    }
+    for (int64_t d = 0; d < n_simd; d += GGML_F32_EPR) {
+        GGML_F32_VEC xv[NK];
+        for (int i = 0; i < NK; ++i) {
+            xv[i] = GGML_F32_VEC_LOAD(x + i*x_stride + d);
+            if (NORM) {
+                acc_n[i] = GGML_F32_VEC_FMA(acc_n[i], xv[i], xv[i]);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            const GGML_F32_VEC qv = GGML_F32_VEC_LOAD(q + r*n + d);
+            for (int i = 0; i < NK; ++i) {
+                acc[i][r] = GGML_F32_VEC_FMA(acc[i][r], xv[i], qv);
+            }
+        }
+    }
+    for (int i = 0; i < NK; ++i) {
+        const float * xi = x + i*x_stride;
+        for (int r = 0; r < R; ++r) {
+            float sum = sfi_vec_hsum(acc[i][r]);
+            for (int64_t d = n_simd; d < n; ++d) {
+                sum += xi[d]*q[r*n + d];
+            }
+            s[r*s_stride + i] = sum;
+        }
+        if (NORM) {
+            float sum = sfi_vec_hsum(acc_n[i]);
+            for (int64_t d = n_simd; d < n; ++d) {
+                sum += xi[d]*xi[d];
+            }
+            norms[i*norm_stride] = sqrtf(sum);
+        }
+    }
+}
+
+// sfi_scores_block_simd for NK keys and every row, four at a time, the norms (where asked) with the first rows
+template <int NK>
+static void sfi_scores_keys_simd(int64_t n, const float * x, int64_t x_stride, const float * q, int64_t n_q, float * s,
+        int64_t s_stride, float * norms, int64_t norm_stride) {
     int64_t j = 0;
-#ifdef SFI_DOT_ROWS_SIMD
     for (; j + 4 <= n_q; j += 4) {
-        sfi_dot_rows_simd<4>(n, x, q + j*n, s + j);
+        if (j == 0 && norms) {
+            sfi_scores_block_simd<NK, 4, true>(n, x, x_stride, q, s, s_stride, norms, norm_stride);
+        } else {
+            sfi_scores_block_simd<NK, 4, false>(n, x, x_stride, q + j*n, s + j*s_stride, s_stride, nullptr, 0);
+        }
     }
-    if (j + 2 <= n_q) {
-        sfi_dot_rows_simd<2>(n, x, q + j*n, s + j);
-        j += 2;
+    for (; j < n_q; ++j) {
+        if (j == 0 && norms) {
+            sfi_scores_block_simd<NK, 1, true>(n, x, x_stride, q, s, s_stride, norms, norm_stride);
+        } else {
+            sfi_scores_block_simd<NK, 1, false>(n, x, x_stride, q + j*n, s + j*s_stride, s_stride, nullptr, 0);
+        }
     }
-    if (j < n_q) {
-        sfi_dot_rows_simd<1>(n, x, q + j*n, s + j);
-        j += 1;
+}
+
+// out[r*out_stride + d] += sum over the n_c cells c of w[r*w_stride + c]*v[c*v_stride + d], d < n, for R rows: each
+// output block stays in registers over the cells
+template <int R>
+static void sfi_mad_rows_simd(int64_t n, int64_t n_c, const float * w, int64_t w_stride, const float * v,
+        int64_t v_stride, float * out, int64_t out_stride) {
+    constexpr int64_t B = 2*GGML_F32_EPR;
+    const int64_t n_simd = n - n % B;
+    for (int64_t d = 0; d < n_simd; d += B) {
+        GGML_F32_VEC acc[R][2];
+        for (int r = 0; r < R; ++r) {
+            acc[r][0] = GGML_F32_VEC_ZERO;
+            acc[r][1] = GGML_F32_VEC_ZERO;
+        }
+        for (int64_t c = 0; c < n_c; ++c) {
+            bool weighted = false; // a cell no row weighs is skipped, as flash attention skips masked cells
+            for (int r = 0; r < R; ++r) {
+                weighted = weighted || w[r*w_stride + c] != 0.0f;
+            }
+            if (!weighted) {
+                continue;
+            }
+            const float * vc = v + c*v_stride + d;
+            const GGML_F32_VEC v0 = GGML_F32_VEC_LOAD(vc);
+            const GGML_F32_VEC v1 = GGML_F32_VEC_LOAD(vc + GGML_F32_EPR);
+            for (int r = 0; r < R; ++r) {
+                const GGML_F32_VEC wr = GGML_F32_VEC_SET1(w[r*w_stride + c]);
+                acc[r][0] = GGML_F32_VEC_FMA(acc[r][0], v0, wr);
+                acc[r][1] = GGML_F32_VEC_FMA(acc[r][1], v1, wr);
+            }
+        }
+        for (int r = 0; r < R; ++r) {
+            float * o = out + r*out_stride + d;
+            GGML_F32_VEC_STORE(o, GGML_F32_VEC_ADD(GGML_F32_VEC_LOAD(o), acc[r][0]));
+            GGML_F32_VEC_STORE(o + GGML_F32_EPR, GGML_F32_VEC_ADD(GGML_F32_VEC_LOAD(o + GGML_F32_EPR), acc[r][1]));
+        }
+    }
+    for (int r = 0; r < R; ++r) {
+        for (int64_t d = n_simd; d < n; ++d) {
+            float sum = 0.0f;
+            for (int64_t c = 0; c < n_c; ++c) {
+                if (w[r*w_stride + c] != 0.0f) {
+                    sum += w[r*w_stride + c]*v[c*v_stride + d];
+                }
+            }
+            out[r*out_stride + d] += sum;
+        }
+    }
+}
+
+#endif
+
+// ev[c] += sqrt(w[c])*f for n cells
+static void sfi_vec_sqrt_mad(int64_t n, float * ev, const float * w, float f) {
+    int64_t c = 0;
+#if defined(__AVX512F__)
+    const __m512 fv = _mm512_set1_ps(f);
+    for (; c + 16 <= n; c += 16) { // (the masked sqrt: see sfi_vec_hsum)
+        const __m512 wv = _mm512_loadu_ps(w + c);
+        _mm512_storeu_ps(ev + c, _mm512_fmadd_ps(_mm512_mask_sqrt_ps(wv, 0xffff, wv), fv, _mm512_loadu_ps(ev + c)));
+    }
+#elif defined(__AVX__)
+    const __m256 fv = _mm256_set1_ps(f);
+    for (; c + 8 <= n; c += 8) {
+        _mm256_storeu_ps(ev + c, _mm256_add_ps(_mm256_mul_ps(_mm256_sqrt_ps(_mm256_loadu_ps(w + c)), fv), _mm256_loadu_ps(ev + c)));
+    }
+#elif defined(__aarch64__)
+    const float32x4_t fv = vdupq_n_f32(f);
+    for (; c + 4 <= n; c += 4) {
+        vst1q_f32(ev + c, vfmaq_f32(vld1q_f32(ev + c), vsqrtq_f32(vld1q_f32(w + c)), fv));
+    }
+#endif
+    for (; c < n; ++c) {
+        ev[c] += sqrtf(w[c])*f;
+    }
+}
+
+// s[j*s_stride + c] = k_c.q_j for n_c keys k_c (k_stride floats apart) and the n_q rows q_j of q (n floats each, one
+// after the other); norms: where not null, norms[c*norm_stride] = |k_c|
+static void sfi_scores_f32(int64_t n, int64_t n_c, const float * k, int64_t k_stride, const float * q, int64_t n_q,
+        float * s, int64_t s_stride, float * norms, int64_t norm_stride) {
+    int64_t c = 0;
+#ifdef SFI_ROWS_SIMD
+    for (; c + SFI_SCORE_KEYS <= n_c; c += SFI_SCORE_KEYS) {
+        sfi_scores_keys_simd<SFI_SCORE_KEYS>(n, k + c*k_stride, k_stride, q, n_q, s + c, s_stride,
+                norms ? norms + c*norm_stride : nullptr, norm_stride);
+    }
+    for (; c < n_c; ++c) {
+        sfi_scores_keys_simd<1>(n, k + c*k_stride, k_stride, q, n_q, s + c, s_stride,
+                norms ? norms + c*norm_stride : nullptr, norm_stride);
+    }
+#endif
+    for (; c < n_c; ++c) {
+        const float * kc = k + c*k_stride;
+        for (int64_t j = 0; j < n_q; ++j) {
+            ggml_vec_dot_f32((int) n, s + j*s_stride + c, 0, kc, 0, q + j*n, 0, 1);
+        }
+        if (norms) {
+            ggml_vec_norm_f32((int) n, norms + c*norm_stride, kc);
+        }
+    }
+}
+
+// out[j*out_stride + d] += sum over the n_c cells c of w[j*w_stride + c]*v[c*v_stride + d], d < n, for the n_q rows j
+static void sfi_mad_rows_f32(int64_t n, int64_t n_c, const float * w, int64_t w_stride, const float * v,
+        int64_t v_stride, int64_t n_q, float * out, int64_t out_stride) {
+    int64_t j = 0;
+#ifdef SFI_ROWS_SIMD
+    for (; j + 4 <= n_q; j += 4) {
+        sfi_mad_rows_simd<4>(n, n_c, w + j*w_stride, w_stride, v, v_stride, out + j*out_stride, out_stride);
+    }
+    for (; j < n_q; ++j) {
+        sfi_mad_rows_simd<1>(n, n_c, w + j*w_stride, w_stride, v, v_stride, out + j*out_stride, out_stride);
     }
 #endif
     for (; j < n_q; ++j) {
-        ggml_vec_dot_f32((int) n, s + j, 0, x, 0, q + j*n, 0, 1);
+        for (int64_t c = 0; c < n_c; ++c) {
+            if (w[j*w_stride + c] != 0.0f) {
+                ggml_vec_mad_f32((int) n, out + j*out_stride, v + c*v_stride, w[j*w_stride + c]);
+            }
+        }
     }
 }
 
 // the products of a KV head's query rows with its keys as the evidence op takes them (and mul_mat and flash attention):
-// the rows, F32, rounded to the keys' vec_dot type. Keys of a float type: the rows kept as F32 (rounded), each key
-// converted to F32 once and multiplied with every row; other keys: the rows in the vec_dot type, one vec_dot per key
-// and row
+// the rows, F32, rounded to the keys' vec_dot type. Keys of a float type: the rows kept as F32 (rounded), a chunk's
+// keys converted to F32 once and multiplied with every row (sfi_scores_f32); other keys: the rows in the vec_dot
+// type, one vec_dot per key and row
 struct sfi_key_products {
     const ggml_type_traits_cpu * k_traits;
     const ggml_type_traits_cpu * q_traits;
@@ -129,17 +318,8 @@ struct sfi_key_products {
         }
     }
 
-    // s[j] = the products of a key row with the n_q rows of q_conv; k_f32: the key as F32 after, when f32_rows
-    void dots(const char * k_row, const char * q_conv, int64_t n_q, float * s, float * k_f32) const {
-        if (f32_rows) {
-            const float * x = (const float *) k_row;
-            if (k_type != GGML_TYPE_F32) {
-                sfi_row_to_f32(k_type, k_row, k_f32, n_embd);
-                x = k_f32;
-            }
-            sfi_dot_rows_f32(n_embd, x, (const float *) q_conv, n_q, s);
-            return;
-        }
+    // s[j] = the products of a key row of a quantized type with the n_q rows of q_conv (float keys: sfi_scores_f32)
+    void dots(const char * k_row, const char * q_conv, int64_t n_q, float * s) const {
         for (int64_t j = 0; j < n_q; ++j) {
             k_traits->vec_dot(n_embd, s + j, 0, k_row, 0, q_conv + j*q_row_size, 0, 1);
         }
@@ -147,16 +327,10 @@ struct sfi_key_products {
 };
 
 
-// the norm of a key row of k's type (buf: n_embd floats, for a type other than F32; holding the row as F32 already when
-// converted)
-static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf, bool converted) {
-    const float * x = (const float *) k_row;
-    if (k->type != GGML_TYPE_F32) {
-        if (!converted) {
-            sfi_row_to_f32(k->type, k_row, buf, k->ne[0]);
-        }
-        x = buf;
-    }
+// the norm of a key row of a quantized type (buf: n_embd floats)
+static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf) {
+    sfi_row_to_f32(k->type, k_row, buf, k->ne[0]);
+    const float * x = buf;
     float norm = 0.0f;
     ggml_vec_norm_f32((int) k->ne[0], &norm, x);
     return norm;
@@ -188,6 +362,7 @@ struct sfi_chunked_attention {
     int64_t n_tokens;    // attention: query row j = g*n_tokens + t is query head h*n_gqa + g at token t
     int64_t n_gqa;
     int64_t n_mask_rows; // row j takes mask row j % n_mask_rows
+    int64_t n_block;     // cells converted to F32 together (every head): ~256 KiB
 
     size_t q_row_bytes;
 
@@ -226,6 +401,7 @@ struct sfi_chunked_attention {
             n_streams   = k->ne[3];
         }
         q_row_bytes = sfi_key_products::row_bytes(k->type, D);
+        n_block     = std::clamp<int64_t>(64*1024/(n_head_kv*std::max(D, Dv)), 1, SFI_CHUNK);
     }
 
     int64_t n_pairs() const { return n_streams*n_head_kv; }
@@ -233,13 +409,15 @@ struct sfi_chunked_attention {
     int64_t part_floats() const { return 2 + Dv; }
 
     // the work buffer, shared: the weights [pair][row][n_kv], the chunks' partial results [pair][chunk][row] (max, sum,
-    // output), each row's max and 1/sum [pair][row]; then per thread a key and a value as F32, a key's products, a
-    // cell's mask values, a scaled query row and the rows of every head in the keys' vec_dot type
+    // output), each row's max and 1/sum [pair][row]; then per thread a key as F32, a block's keys or values as F32,
+    // a key's products, the chunk's mask rows, a scaled query row and the rows of every head in the keys'
+    // vec_dot type
     size_t shared_bytes() const {
         return GGML_PAD(sizeof(float)*(n_pairs()*n_q*(n_kv + n_chunks*part_floats() + 2)), CACHE_LINE_SIZE);
     }
     size_t thread_bytes() const {
-        return GGML_PAD(sizeof(float)*(D + Dv + 2*n_q + D) + q_row_bytes*n_head_kv*n_q, CACHE_LINE_SIZE);
+        return GGML_PAD(sizeof(float)*(D + n_block*n_head_kv*std::max(D, Dv) + n_q + SFI_CHUNK*n_q + D) +
+                q_row_bytes*n_head_kv*n_q, CACHE_LINE_SIZE);
     }
 
     float * weights(void * wdata, int64_t pair) const { return (float *) wdata + pair*n_q*n_kv; }
@@ -280,12 +458,12 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
 
     const sfi_key_products products(a.k, a.D);
 
-    float * kf     = a.thread(wdata, params->ith);
-    float * vf     = kf + a.D;
-    float * row_s  = vf + Dv;
-    float * mask_c = row_s + n_q;  // a cell's mask value for each row (the same for every head)
-    float * q_sc   = mask_c + n_q;
-    char  * q_conv = (char *) (q_sc + a.D); // [head][row]
+    float * kf      = a.thread(wdata, params->ith);
+    float * chunk_f = kf + a.D;                                // a block's keys or values, [head][cell][D or Dv]
+    float * row_s   = chunk_f + a.n_block*n_head_kv*std::max(a.D, Dv);
+    float * mask_ch = row_s + n_q;                             // [mask row][cell], the same for every head
+    float * q_sc    = mask_ch + SFI_CHUNK*n_q;
+    char  * q_conv  = (char *) (q_sc + a.D);                   // [head][row]
 
     float * kn = a.norms ? evid + a.n_pairs()*n_kv : nullptr;
 
@@ -311,20 +489,57 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
             q_stream = b;
         }
 
-        for (int64_t c = c0; c < c1; ++c) {
-            for (int64_t j = 0; j < n_q; ++j) {
-                mask_c[j] = j < a.n_mask_rows ? sfi_mask_value(a.mask, c, j, b) : mask_c[j % a.n_mask_rows];
+        const int64_t n_c = c1 - c0;
+        for (int64_t r = 0; r < std::min(a.n_mask_rows, n_q); ++r) {
+            for (int64_t i = 0; i < n_c; ++i) {
+                mask_ch[r*SFI_CHUNK + i] = sfi_mask_value(a.mask, c0 + i, r, b);
+            }
+        }
+        // the scores of each head's rows: q.k, in the weights; float keys a block of cells at a time, converted to F32
+        // in the order of the cache's rows
+        for (int64_t s0 = c0; s0 < c1; s0 += a.n_block) {
+            const int64_t n_s = std::min(c1, s0 + a.n_block) - s0;
+            if (products.f32_rows && a.k->type != GGML_TYPE_F32) {
+                sfi_block_to_f32(a.k, s0, n_s, b, chunk_f);
             }
             for (int64_t h = 0; h < n_head_kv; ++h) {
-                const char * k_row = (const char *) a.k->data + c*a.k->nb[1] + h*a.k->nb[2] + b*a.k->nb[3];
-                products.dots(k_row, q_conv + h*n_q*a.q_row_bytes, n_q, row_s, kf);
-                float * w = a.weights(wdata, b*n_head_kv + h);
-                for (int64_t j = 0; j < n_q; ++j) {
-                    const float s = a.softcap > 0.0f ? a.softcap*tanhf(row_s[j]) : row_s[j];
-                    w[j*n_kv + c] = s + mask_c[j];
+                float * w = a.weights(wdata, b*n_head_kv + h) + s0; // row j's at w + j*n_kv
+                const char * k0  = (const char *) a.k->data + s0*a.k->nb[1] + h*a.k->nb[2] + b*a.k->nb[3];
+                const char * q_h = q_conv + h*n_q*a.q_row_bytes;
+                float * norms = kn ? kn + (b*n_kv + s0)*n_head_kv + h : nullptr; // cell i's at norms[i*n_head_kv]
+                if (products.f32_rows) {
+                    const bool f32 = a.k->type == GGML_TYPE_F32;
+                    sfi_scores_f32(a.D, n_s, f32 ? (const float *) k0 : chunk_f + h*n_s*a.D,
+                            f32 ? (int64_t) (a.k->nb[1]/sizeof(float)) : a.D, (const float *) q_h, n_q, w, n_kv, norms,
+                            n_head_kv);
+                    continue;
                 }
-                if (kn) {
-                    kn[(b*n_kv + c)*n_head_kv + h] = sfi_key_norm(a.k, k_row, kf, products.f32_rows);
+                for (int64_t i = 0; i < n_s; ++i) {
+                    const char * k_row = k0 + i*a.k->nb[1];
+                    products.dots(k_row, q_h, n_q, row_s);
+                    for (int64_t j = 0; j < n_q; ++j) {
+                        w[j*n_kv + i] = row_s[j];
+                    }
+                    if (norms) {
+                        norms[i*n_head_kv] = sfi_key_norm(a.k, k_row, kf);
+                    }
+                }
+            }
+        }
+        // + softcap and mask
+        for (int64_t h = 0; h < n_head_kv; ++h) {
+            float * w = a.weights(wdata, b*n_head_kv + h) + c0;
+            for (int64_t j = 0; j < n_q; ++j) {
+                float * wj = w + j*n_kv;
+                const float * mj = mask_ch + (j % a.n_mask_rows)*SFI_CHUNK;
+                if (a.softcap > 0.0f) {
+                    for (int64_t i = 0; i < n_c; ++i) {
+                        wj[i] = a.softcap*tanhf(wj[i]) + mj[i];
+                    }
+                } else {
+                    for (int64_t i = 0; i < n_c; ++i) {
+                        wj[i] += mj[i];
+                    }
                 }
             }
         }
@@ -352,22 +567,18 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
         }
 
         if (a.v) {
-            for (int64_t c = c0; c < c1; ++c) {
+            // per block of cells and head, the values (as F32) weighted into each row's partial output
+            for (int64_t s0 = c0; s0 < c1; s0 += a.n_block) {
+                const int64_t n_s = std::min(c1, s0 + a.n_block) - s0;
+                const bool f32 = a.v->type == GGML_TYPE_F32;
+                if (!f32) {
+                    sfi_block_to_f32(a.v, s0, n_s, b, chunk_f);
+                }
                 for (int64_t h = 0; h < n_head_kv; ++h) {
                     const int64_t pair = b*n_head_kv + h;
-                    const char * vr = (const char *) a.v->data + c*a.v->nb[1] + h*a.v->nb[2] + b*a.v->nb[3];
-                    const float * vr_f32 = (const float *) vr;
-                    if (a.v->type != GGML_TYPE_F32) {
-                        sfi_row_to_f32(a.v->type, vr, vf, Dv);
-                        vr_f32 = vf;
-                    }
-                    const float * w = a.weights(wdata, pair);
-                    for (int64_t j = 0; j < n_q; ++j) {
-                        const float wc = w[j*n_kv + c];
-                        if (wc != 0.0f) {
-                            ggml_vec_mad_f32((int) Dv, a.part(wdata, pair, ch, j) + 2, vr_f32, wc);
-                        }
-                    }
+                    const char * v0 = (const char *) a.v->data + s0*a.v->nb[1] + h*a.v->nb[2] + b*a.v->nb[3];
+                    sfi_mad_rows_f32(Dv, n_s, a.weights(wdata, pair) + s0, n_kv, f32 ? (const float *) v0 : chunk_f + h*n_s*Dv,
+                            f32 ? (int64_t) (a.v->nb[1]/sizeof(float)) : Dv, n_q, a.part(wdata, pair, ch, 0) + 2, a.part_floats());
                 }
             }
         }
@@ -434,10 +645,7 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
                 const float   f  = expf(m - st[0])*st[1];
                 const float * wj = w + j*n_kv;
                 if (a.alpha == 0.5f) {
-                    const float sf = sqrtf(f);
-                    for (int64_t c = c0; c < c1; ++c) {
-                        ev[c] += sqrtf(wj[c])*sf;
-                    }
+                    sfi_vec_sqrt_mad(c1 - c0, ev + c0, wj + c0, sqrtf(f));
                 } else {
                     for (int64_t c = c0; c < c1; ++c) {
                         const float p = wj[c]*f;
