@@ -49,13 +49,14 @@ VARIANTS = {
     "interval32": ("punctuation", {"refresh_interval": 32}),
     "redecode_interval32": ("punctuation", {"redecode_tail": True, "refresh_interval": 32}),
     "redecode_recent512": ("punctuation", {"redecode_tail": True, "n_recent": 512}),
-    # twice the selection (k_head 4096, whatever the budget's), alone and with redecode: what more cells win back
+    # a larger selection (k_head 3072 or 4096, whatever the budget's), alone and with redecode: what more cells win back
+    "k3072": ("punctuation", {"k_head": 3072}),
     "k4096": ("punctuation", {"k_head": 4096}),
     "redecode_k4096": ("punctuation", {"redecode_tail": True, "k_head": 4096}),
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
-                "k4096", "redecode_k4096",
+                "k3072", "k4096", "redecode_k4096",
                 "delay4", "delay16", "async16", "async64", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
