@@ -249,6 +249,8 @@ def test_rpc_bench_kv_on_host(servers):
             assert (r.prefill_s > 0) != prefill_in_vram, r
             assert 0 < r.view_device_bytes < r.cache_host_bytes, r
             assert r.sfi_async_tok_s > 0 and r.async_refreshes > 0 and r.t_async_refresh_s > 0, r
+            assert r.t_async_parts_s["fast"] > 0 and r.t_async_parts_s["load"] > 0, r
+            assert sum(r.t_async_parts_s.values()) < r.decoded_tokens / r.sfi_async_tok_s, r
         assert "| 512 |" in markdown_table(rows)
     # the same cache either way: the same refreshes at the same steps
     assert [(r.slow_steps, r.fast_steps) for r in runs[True]] == [(r.slow_steps, r.fast_steps) for r in runs[False]]

@@ -90,6 +90,8 @@ class BenchRow:
     async_refreshes: int = 0       # ... their number, the triggers skipped while one was computed, the seconds
     async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
     t_async_refresh_s: float = 0.0
+    t_async_parts_s: dict = dataclasses.field(default_factory=dict)  # the async run's decoding thread: seconds of its
+    #                                slow steps (the bootstrap), fast steps, and loads of refreshes (waits included)
     dense_host_tokens: int = 0     # kv_on_host: tokens the dense host-KV row decoded (fewer than decoded_tokens where
     #                                --dense-host-n says: each of its steps reads the whole cache on the CPU)
     prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV (0: loaded
@@ -403,6 +405,8 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
     async_s = decode_forced(llm, async_stepper, prompt, forced, sampling)
     ctx.truncate(depth)
     a = async_stepper.stats
+    log(f"depth {depth}: SFI async {n_decode / async_s:.1f} tok/s: slow steps {a.t_slow:.2f} s, {a.n_fast} fast steps "
+        f"{a.t_fast:.2f} s, refresh loads {a.t_selector:.2f} s (waits included)")
     return BenchRow(
         **shared, depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
         dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ceiling_tok_s=0.0, ratio=dense_s / sfi_s,
@@ -412,6 +416,7 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
         slow_reasons=dict(s.reasons), prefill_s=prefill_s, dense_host_tokens=n_dense,
         sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
         t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
+        t_async_parts_s=dict(slow=a.t_slow, fast=a.t_fast, load=a.t_selector),
         cache_host_bytes=memory.cache_host if memory else 0,
         view_device_bytes=memory.view_device if memory else 0)
 
