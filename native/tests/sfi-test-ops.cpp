@@ -1016,6 +1016,7 @@ static int test_flash_attn_evidence(const std::vector<ggml_backend_t> & backends
         { 128, 1, 1, 8,  333, 1, GGML_TYPE_F16,  0.0f, 1.0f, true  }, // no GQA, alpha 1: the mass
         { 128, 1, 8, 1,    7, 1, GGML_TYPE_F16,  0.0f, 0.3f, false }, // a few cells
         { 128, 1, 4, 8, 70000, 1, GGML_TYPE_F16, 0.0f, 0.5f, false }, // long context
+        {  72, 2, 3, 2,  301, 2, GGML_TYPE_F16,  0.0f, 0.5f, true  }, // a head size past the CPU's vector blocks
         // a quantized cache (keys and values of one type)
         { 128, 1, 4, 8, 1000, 1, GGML_TYPE_Q8_0, 0.0f, 0.5f, true  },
         { 128, 1, 4, 2, 4099, 3, GGML_TYPE_Q8_0, 0.0f, 0.5f, true  },
@@ -1147,6 +1148,8 @@ int main(int argc, char ** argv) {
     cases.push_back({ 128, 16, 8, 2, 900, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });  // more rows than
     cases.push_back({ 256, 16, 4, 1, 333, 1, 1, GGML_TYPE_F16, GGML_TYPE_F32, 0.5f, 0.0f, false }); //   a GPU block holds
     cases.push_back({ 128, 1, 1, 4, 1, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, false });    // one cell
+    cases.push_back({ 72, 1, 3, 2, 301, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });    // a head size past
+    cases.push_back({ 72, 1, 5, 3, 65, 1, 1, GGML_TYPE_F32, GGML_TYPE_F16, 0.5f, 0.0f, true });     //   the vector blocks
     cases.push_back({ 128, 1, 2, 4, 7, 5, 5, GGML_TYPE_F16, GGML_TYPE_F16, 0.5f, 0.0f, true });     // odd cell count
     cases.push_back({ 128, 2, 4, 8, 4099, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 1.0f, 0.0f, false });  // alpha 1: mass
     cases.push_back({ 128, 1, 4, 8, 1500, 2, 1, GGML_TYPE_F16, GGML_TYPE_F16, 0.3f, 0.0f, false });  // other alpha
