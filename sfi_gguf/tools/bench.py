@@ -651,7 +651,7 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
             f"picks: {r0.sampling}, KV cache {r0.type_kv}, commit {r0.git_commit}")
     if r0.kv_on_host:
-        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 12 + "|"] +
+        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 13 + "|"] +
                          [format_kv_on_host_row(r) for r in rows])
     runs = {(r.sampling, json.dumps(r.config_overrides, sort_keys=True)) for r in rows}
     if len(runs) == 1:
@@ -670,7 +670,8 @@ def _changes(overrides: dict) -> str:
 
 KV_ON_HOST_HEADER = ("| depth | dense, host KV tok/s | SFI, host KV tok/s | SFI / dense host | dense, KV in VRAM tok/s | "
                      "SFI host / dense VRAM | SFI async tok/s | async / dense VRAM | prefill host / VRAM (s) | "
-                     "KV in VRAM (MiB) / cache in RAM (MiB) | slow / fast steps | async refreshes / skipped (s each) |")
+                     "KV in VRAM (MiB) / cache in RAM (MiB) | slow / fast steps | async refreshes / skipped (s each) | "
+                     "async: slow / fast / loads (s) |")
 
 
 def format_kv_on_host_row(r: BenchRow) -> str:
@@ -680,7 +681,8 @@ def format_kv_on_host_row(r: BenchRow) -> str:
     return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {vram} | {ratio_vram} | "
             f"{r.sfi_async_tok_s:.1f} | {async_vram} | {f'{r.prefill_s:.1f}' if r.prefill_s else '-'} / {r.prefill_vram_s:.1f} | "
             f"{r.view_device_bytes / 2**20:.0f} / {r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} | "
-            f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}) |")
+            f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}) | "
+            f"{' / '.join(f'{r.t_async_parts_s.get(k, 0.0):.2f}' for k in ('slow', 'fast', 'load'))} |")
 
 
 def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
