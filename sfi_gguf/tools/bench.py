@@ -651,7 +651,8 @@ def markdown_table(rows: Sequence[BenchRow]) -> str:
             f"flash attention {'on' if r0.flash_attn else 'off'}, {r0.decoded_tokens} tokens decoded per run, "
             f"picks: {r0.sampling}, KV cache {r0.type_kv}, commit {r0.git_commit}")
     if r0.kv_on_host:
-        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, "|---" * 13 + "|"] +
+        sep = "|---" * (KV_ON_HOST_HEADER.count("|") - 1) + "|"
+        return "\n".join([head + ", KV cache in host memory", "", KV_ON_HOST_HEADER, sep] +
                          [format_kv_on_host_row(r) for r in rows])
     runs = {(r.sampling, json.dumps(r.config_overrides, sort_keys=True)) for r in rows}
     if len(runs) == 1:
@@ -834,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit("several --sampling values and --variant: single sequences, the KV cache in GPU memory")
     if args.prefill_in_vram and not args.kv_on_host:
         raise SystemExit("--prefill-in-vram: only with --kv-on-host")
-    if args.dense_host_n and not args.kv_on_host or args.dense_host_n < 0:
+    if args.dense_host_n < 0 or (args.dense_host_n and not args.kv_on_host):
         raise SystemExit("--dense-host-n: a positive count, only with --kv-on-host")
     if args.kv_on_host:
         if args.batch > 1 or trace or args.type_kv != "f16":

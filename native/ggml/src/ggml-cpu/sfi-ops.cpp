@@ -43,6 +43,18 @@ static void sfi_block_to_f32(const ggml_tensor * t, int64_t c0, int64_t n_c, int
     }
 }
 
+// head h's rows of the cells [c0, c0 + n_c) of stream b of t as F32: t's own rows where F32, else those
+// sfi_block_to_f32 wrote to `converted`; *stride: the floats from one row to the next
+static const float * sfi_block_rows(const ggml_tensor * t, int64_t c0, int64_t n_c, int64_t h, int64_t b,
+        const float * converted, int64_t * stride) {
+    if (t->type == GGML_TYPE_F32) {
+        *stride = t->nb[1]/sizeof(float);
+        return (const float *) ((const char *) t->data + c0*t->nb[1] + h*t->nb[2] + b*t->nb[3]);
+    }
+    *stride = t->ne[0];
+    return converted + h*n_c*t->ne[0];
+}
+
 #if defined(GGML_SIMD) && (defined(__AVX__) || defined(__ARM_NEON)) && !defined(__ARM_FEATURE_SVE)
 #define SFI_ROWS_SIMD
 
@@ -330,9 +342,8 @@ struct sfi_key_products {
 // the norm of a key row of a quantized type (buf: n_embd floats)
 static float sfi_key_norm(const ggml_tensor * k, const char * k_row, float * buf) {
     sfi_row_to_f32(k->type, k_row, buf, k->ne[0]);
-    const float * x = buf;
     float norm = 0.0f;
-    ggml_vec_norm_f32((int) k->ne[0], &norm, x);
+    ggml_vec_norm_f32((int) k->ne[0], &norm, buf);
     return norm;
 }
 
@@ -508,10 +519,9 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
                 const char * q_h = q_conv + h*n_q*a.q_row_bytes;
                 float * norms = kn ? kn + (b*n_kv + s0)*n_head_kv + h : nullptr; // cell i's at norms[i*n_head_kv]
                 if (products.f32_rows) {
-                    const bool f32 = a.k->type == GGML_TYPE_F32;
-                    sfi_scores_f32(a.D, n_s, f32 ? (const float *) k0 : chunk_f + h*n_s*a.D,
-                            f32 ? (int64_t) (a.k->nb[1]/sizeof(float)) : a.D, (const float *) q_h, n_q, w, n_kv, norms,
-                            n_head_kv);
+                    int64_t k_stride;
+                    const float * kc = sfi_block_rows(a.k, s0, n_s, h, b, chunk_f, &k_stride);
+                    sfi_scores_f32(a.D, n_s, kc, k_stride, (const float *) q_h, n_q, w, n_kv, norms, n_head_kv);
                     continue;
                 }
                 for (int64_t i = 0; i < n_s; ++i) {
@@ -570,15 +580,15 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
             // per block of cells and head, the values (as F32) weighted into each row's partial output
             for (int64_t s0 = c0; s0 < c1; s0 += a.n_block) {
                 const int64_t n_s = std::min(c1, s0 + a.n_block) - s0;
-                const bool f32 = a.v->type == GGML_TYPE_F32;
-                if (!f32) {
+                if (a.v->type != GGML_TYPE_F32) {
                     sfi_block_to_f32(a.v, s0, n_s, b, chunk_f);
                 }
                 for (int64_t h = 0; h < n_head_kv; ++h) {
                     const int64_t pair = b*n_head_kv + h;
-                    const char * v0 = (const char *) a.v->data + s0*a.v->nb[1] + h*a.v->nb[2] + b*a.v->nb[3];
-                    sfi_mad_rows_f32(Dv, n_s, a.weights(wdata, pair) + s0, n_kv, f32 ? (const float *) v0 : chunk_f + h*n_s*Dv,
-                            f32 ? (int64_t) (a.v->nb[1]/sizeof(float)) : Dv, n_q, a.part(wdata, pair, ch, 0) + 2, a.part_floats());
+                    int64_t v_stride;
+                    const float * vc = sfi_block_rows(a.v, s0, n_s, h, b, chunk_f, &v_stride);
+                    sfi_mad_rows_f32(Dv, n_s, a.weights(wdata, pair) + s0, n_kv, vc, v_stride, n_q,
+                            a.part(wdata, pair, ch, 0) + 2, a.part_floats());
                 }
             }
         }
