@@ -11,6 +11,9 @@ ops are unnamed, so they show up under their op (CONCAT, POOL_2D, TOP_K, ARGSORT
     python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 131072          # on the GPU machine
     python benchmarks/op_profile.py --model qwen3-0.6b --ctx 4096 --kinds slow       # CPU, small
     python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 32768 --batch 16 # a slow group of 16
+    python benchmarks/op_profile.py --model qwen3-4b --ngl 99 --ctx 32768 --kinds slow slow_tail --tail 16
+--kinds slow_tail is the slow step of `redecode_tail`: the last --tail tokens decoded again with the new one in one
+ubatch, the export from the new token's rows alone (single sequence only).
 --model takes a GGUF path or a name of sfi_gguf.tools.random_model.SHAPES. With --batch B, B sequences of --ctx
 tokens each (one KV stream each) take every step together, one token each, as a batched group does.
 """
@@ -116,7 +119,7 @@ def summary(nodes, top: int) -> dict:
 
 def print_summary(kind: str, s: dict, top: int) -> None:
     print(f"\n== {kind}: {s['n_nodes']} nodes, {s['total_ms']:.1f} ms with one sync per node "
-          f"(fixed cost per node ~{s['per_node_floor_ms']:.3f} ms)")
+          f"(fixed cost per node ~{s['per_node_floor_ms']:.3f} ms); unprofiled {s['wall_ms']:.2f} ms")
     print("  by op:   " + ", ".join(f"{r['op']} {r['ms']:.2f} ({r['n']})" for r in s["by_op"][:16]))
     print("  by name: " + ", ".join(f"{r['name']} {r['ms']:.2f} ({r['n']})" for r in s["by_name"][:16]))
     for r in s["top_nodes"][:top]:
@@ -167,7 +170,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--k-head", type=int, default=2048)
     ap.add_argument("--n-candidates", type=int, default=8192)
     ap.add_argument("--refresh-layer-groups", type=int, default=1)
-    ap.add_argument("--kinds", nargs="+", default=["dense", "slow", "fast"], choices=["dense", "slow", "fast"])
+    ap.add_argument("--kinds", nargs="+", default=["dense", "slow", "fast"], choices=["dense", "slow", "slow_tail", "fast"])
+    ap.add_argument("--tail", type=int, default=16, help="tokens decoded again by a slow_tail step")
     ap.add_argument("--repeats", type=int, default=5,
                     help="profiled steps per kind (each node's fastest time is reported)")
     ap.add_argument("--batch", type=int, default=1, help="sequences taking each step together (one KV stream each)")
@@ -191,21 +195,36 @@ def main(argv=None) -> dict:
     out = {"model": str(path), "ctx": args.ctx, "batch": args.batch, "ngl": args.ngl, "k_head": args.k_head,
            "n_candidates": args.n_candidates, "refresh_layer_groups": args.refresh_layer_groups, "kinds": {}}
 
-    def profile(kind, before, rewind=True):
+    def profile(kind, before, rewind=True, tail=0):
         """rewind: back to the same context after each step (dense and slow steps; a fast step would then
-        gather its view again, so fast steps run one after the other)."""
+        gather its view again, so fast steps run one after the other); tail: the step decodes the context's last
+        `tail` tokens again with its own, in one ubatch."""
         base = seqs.n_past
-        runs = []
-        for _ in range(args.repeats):
+        runs, walls = [], []
+        for r in range(2 * args.repeats):
+            timed = r % 2 == 0  # every other step unprofiled: its wall time, with the graph run as a whole
             before()
-            timer.start()
-            seqs.step(int(rng.integers(10, min(lc.n_vocab, 30000))))
-            runs.append(timer.stop())
+            token = int(rng.integers(10, min(lc.n_vocab, 30000)))
+            if timed:
+                timer.start()
+            t0 = time.perf_counter()
+            if tail:
+                tokens = list(lc.tokens[base - tail:base]) + [token]
+                lc.truncate(base - tail)
+                lc.decode(tokens)
+                llama_cpp.llama_get_logits_ith(lc.ctx, -1)  # waits for the step
+            else:
+                seqs.step(token)
+            if timed:
+                runs.append(timer.stop())
+            else:
+                walls.append(time.perf_counter() - t0)
             if rewind:
                 seqs.truncate(base)  # the same context (and graph) every time
         seqs.truncate(base)
         nodes = fastest(runs)
         out["kinds"][kind] = s = summary(nodes, args.top)
+        s["wall_ms"] = statistics.median(walls) * 1e3
         print_summary(kind, s, args.top)
 
     if "dense" in args.kinds:
@@ -219,6 +238,12 @@ def main(argv=None) -> dict:
             sfi.set_mode(sfi.SLOW)
         if "slow" in args.kinds:
             profile("slow", slow)
+        if "slow_tail" in args.kinds:
+            if args.batch != 1:
+                ap.error("--kinds slow_tail profiles a single sequence (--batch 1)")
+            sfi.set_n_query_rows(1)  # the export from the new token's rows alone, as redecode_tail's slow step
+            profile("slow_tail", slow, tail=args.tail)
+            sfi.set_n_query_rows(sfi.params["n_query_rows"])
         if args.refresh_layer_groups > 1 and "slow" in args.kinds:
             # a group refresh needs a selection in the view: load the full one first
             slow()

@@ -5,7 +5,8 @@
 #   overhead-dropin (the overhead stage plus llama-cpp-python's token loop on llama_cpp.Llama and sfi_gguf.Llama),
 #   diag, profile (export ops and candidate slow steps), cycle (refresh cycles: what a refresh costs, part by part;
 #   SFI_CYCLE_CTX, SFI_CYCLE_M, SFI_CYCLE_CANDIDATES, SFI_CYCLE_ARGS, SFI_BENCH_TAG),
-#   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py; SFI_PROFILE_KINDS,
+#   op-profile (every node of a dense / slow / fast step timed, benchmarks/op_profile.py; SFI_PROFILE_KINDS (slow_tail:
+#   redecode_tail's slow step, SFI_PROFILE_TAIL tokens again),
 #   SFI_PROFILE_GROUPS, SFI_PROFILE_TOP, SFI_PROFILE_BATCH: sequences per step, e.g. 16 with SFI_CYCLE_CTX=32768),
 #   bench (SFI_BENCH_DEPTHS, SFI_BENCH_SHAPES: qwen3-4b qwen3-0.6b ..., SFI_BENCH_WEIGHTS: f16 q4_k_m ..., SFI_BENCH_ARGS: more options, e.g. "--confidence-trace benchmarks/data/<trace>.json", SFI_BENCH_TAG),
 #   bench-delay (selection_delay $SFI_DELAYS, default 0 16 32, at 128K),
@@ -176,7 +177,7 @@ if [[ " $stages " == *" op-profile "* ]]; then
     log "every node of a dense, slow (device Selector) and fast step, timed one by one (Qwen3-4B shape, F16)"
     M=$(model qwen3-4b f16)
     python3 benchmarks/op_profile.py --model "$M" --ngl 99 --ctx ${SFI_CYCLE_CTX:-131072} --refresh-layer-groups ${SFI_PROFILE_GROUPS:-2} \
-        --kinds ${SFI_PROFILE_KINDS:-dense slow fast} --top ${SFI_PROFILE_TOP:-25} --batch ${SFI_PROFILE_BATCH:-1} \
+        --kinds ${SFI_PROFILE_KINDS:-dense slow fast} --tail ${SFI_PROFILE_TAIL:-16} --top ${SFI_PROFILE_TOP:-25} --batch ${SFI_PROFILE_BATCH:-1} \
         --json "$OUT/op_profile-h200-${SFI_PROFILE_BATCH:-1}x${SFI_CYCLE_CTX:-131072}${SFI_BENCH_TAG:-}.json" 2>&1 | grep -v "^load\|^llama\|^print_info"
 fi
 if [[ " $stages " == *" bench-delay "* ]]; then
