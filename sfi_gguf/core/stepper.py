@@ -96,6 +96,8 @@ class SFIStats:
     t_selector_background: float = 0.0  # Selector runs overlapped with fast steps (selection_delay > 0)
     n_async: int = 0                # selections computed in the background (selection_delay > 0, async_refresh)
     n_host_refresh: int = 0         # refreshes computed on the CPU over a host cache while fast steps ran (async_refresh)
+    t_host_export: float = 0.0      # of t_selector_background, their exports over the host cache (the rest: Selector)
+    t_refresh_wait: float = 0.0     # of t_selector, the decoding thread waiting for a background selection
     n_refresh_skipped: int = 0      # triggers that came while such a refresh was still computed
     n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
     n_group_refresh: int = 0        # of them, refreshes of one group of layers (refresh_layer_groups)
@@ -428,6 +430,7 @@ class SFIStepper:
                                      **_cells_and_positions(positions, evidence.shape[2], job.candidates()))
         finally:
             job.close()
+        self.stats.t_host_export += time.perf_counter() - t0  # read by the decoding thread after the future's result
         selected = self.selector.select(export, candidates, k_head)
         return selected, candidates, time.perf_counter() - t0
 
@@ -465,6 +468,7 @@ class SFIStepper:
             selected, candidates, t_background = pending.result()
         finally:
             self._return_threads()
+        self.stats.t_refresh_wait += time.perf_counter() - t0
         self.stats.t_selector_background += t_background
         if self._sparse:
             self._use_selection(selected, candidates=candidates)

@@ -91,7 +91,8 @@ class BenchRow:
     async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
     t_async_refresh_s: float = 0.0
     t_async_parts_s: dict = dataclasses.field(default_factory=dict)  # the async run's decoding thread: seconds of its
-    #                                slow steps (the bootstrap), fast steps, and loads of refreshes (waits included)
+    #                                slow steps, fast steps, loads of refreshes (waits included) and of them the waits
+    t_async_export_s: float = 0.0  # of t_async_refresh_s, the export over the host cache (the rest: the Selector)
     dense_host_tokens: int = 0     # kv_on_host: tokens the dense host-KV row decoded (fewer than decoded_tokens where
     #                                --dense-host-n says: each of its steps reads the whole cache on the CPU)
     prefill_s: float = 0.0         # kv_on_host: seconds to extend the cache from the previous depth, host KV (0: loaded
@@ -228,6 +229,7 @@ def decode_forced(llm, stepper: Stepper, prompt: Sequence[int], forced: Sequence
         if hasattr(stepper, "stats"):
             s = stepper.stats
             s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
+            s.t_host_export = s.t_refresh_wait = 0.0
         t0 = time.perf_counter()
         for token in forced:
             sampler.sample(ctx)  # the pick a real decode makes (waits for the step)
@@ -406,7 +408,9 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
     ctx.truncate(depth)
     a = async_stepper.stats
     log(f"depth {depth}: SFI async {n_decode / async_s:.1f} tok/s: slow steps {a.t_slow:.2f} s, {a.n_fast} fast steps "
-        f"{a.t_fast:.2f} s, refresh loads {a.t_selector:.2f} s (waits included)")
+        f"{a.t_fast:.2f} s, refresh loads {a.t_selector:.2f} s (waits {a.t_refresh_wait:.2f} s); a refresh "
+        f"{a.t_selector_background / max(1, a.n_host_refresh):.2f} s, its export over the host cache "
+        f"{a.t_host_export / max(1, a.n_host_refresh):.2f} s")
     return BenchRow(
         **shared, depth=depth, k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
         dense_tok_s=n_decode / dense_s, sfi_tok_s=n_decode / sfi_s, ceiling_tok_s=0.0, ratio=dense_s / sfi_s,
@@ -416,7 +420,8 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
         slow_reasons=dict(s.reasons), prefill_s=prefill_s, dense_host_tokens=n_dense,
         sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
         t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
-        t_async_parts_s=dict(slow=a.t_slow, fast=a.t_fast, load=a.t_selector),
+        t_async_parts_s=dict(slow=a.t_slow, fast=a.t_fast, load=a.t_selector, wait=a.t_refresh_wait),
+        t_async_export_s=a.t_host_export / max(1, a.n_host_refresh),
         cache_host_bytes=memory.cache_host if memory else 0,
         view_device_bytes=memory.view_device if memory else 0)
 
@@ -672,7 +677,7 @@ def _changes(overrides: dict) -> str:
 KV_ON_HOST_HEADER = ("| depth | dense, host KV tok/s | SFI, host KV tok/s | SFI / dense host | dense, KV in VRAM tok/s | "
                      "SFI host / dense VRAM | SFI async tok/s | async / dense VRAM | prefill host / VRAM (s) | "
                      "KV in VRAM (MiB) / cache in RAM (MiB) | slow / fast steps | async refreshes / skipped (s each) | "
-                     "async: slow / fast / loads (s) |")
+                     "async: slow / fast / loads (waits) (s) |")
 
 
 def format_kv_on_host_row(r: BenchRow) -> str:
@@ -682,8 +687,9 @@ def format_kv_on_host_row(r: BenchRow) -> str:
     return (f"| {r.depth} | {r.dense_tok_s:.1f} | {r.sfi_tok_s:.1f} | **{r.ratio:.2f}x** | {vram} | {ratio_vram} | "
             f"{r.sfi_async_tok_s:.1f} | {async_vram} | {f'{r.prefill_s:.1f}' if r.prefill_s else '-'} / {r.prefill_vram_s:.1f} | "
             f"{r.view_device_bytes / 2**20:.0f} / {r.cache_host_bytes / 2**20:.0f} | {r.slow_steps} / {r.fast_steps} | "
-            f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}) | "
-            f"{' / '.join(f'{r.t_async_parts_s.get(k, 0.0):.2f}' for k in ('slow', 'fast', 'load'))} |")
+            f"{r.async_refreshes} / {r.async_skipped} ({r.t_async_refresh_s:.2f}; export {r.t_async_export_s:.2f}) | "
+            f"{' / '.join(f'{r.t_async_parts_s.get(k, 0.0):.2f}' for k in ('slow', 'fast', 'load'))} "
+            f"({r.t_async_parts_s.get('wait', 0.0):.2f}) |")
 
 
 def write_json(rows: Sequence[BenchRow], path: Path) -> Path:
