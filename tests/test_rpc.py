@@ -253,6 +253,7 @@ def test_rpc_bench_kv_on_host(servers):
             parts = r.t_async_parts_s
             assert parts["slow"] + parts["fast"] + parts["load"] < r.decoded_tokens / r.sfi_async_tok_s, r
             assert 0 <= parts["wait"] <= parts["load"] and 0 < r.t_async_export_s <= r.t_async_refresh_s, r
+            assert 0 < parts["gather"] < parts["fast"], r
         assert "| 512 |" in markdown_table(rows)
     # the same cache either way: the same refreshes at the same steps
     assert [(r.slow_steps, r.fast_steps) for r in runs[True]] == [(r.slow_steps, r.fast_steps) for r in runs[False]]

@@ -98,6 +98,8 @@ class SFIStats:
     n_host_refresh: int = 0         # refreshes computed on the CPU over a host cache while fast steps ran (async_refresh)
     t_host_export: float = 0.0      # of t_selector_background, their exports over the host cache (the rest: Selector)
     t_refresh_wait: float = 0.0     # of t_selector, the decoding thread waiting for a background selection
+    t_fast_after_load: float = 0.0  # of t_fast, the first fast step after each background selection's load (it
+    #                                 gathers the new memory into the view)
     n_refresh_skipped: int = 0      # triggers that came while such a refresh was still computed
     n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
     n_group_refresh: int = 0        # of them, refreshes of one group of layers (refresh_layer_groups)
@@ -155,6 +157,7 @@ class SFIStepper:
         self._reason: str | None = None   # why the planned slow step fires
         self._capturing = False           # the planned fast step keeps its queries for an asynchronous refresh
         self._lent_threads = False        # ... and its refresh computes on threads the context lent
+        self._loaded_in_background = False  # a background selection was loaded since the last fast step
 
     def _wants_sparse(self, n_context: int) -> bool:
         return self.policy.memory is not MemoryMode.DENSE and not self.sfi_plan.stays_dense(n_context)
@@ -271,11 +274,15 @@ class SFIStepper:
             self.stats.t_slow += seconds
             self.stats.n_slow += 1
             self.stats.slow_steps.append(self._n_step)
+            self._loaded_in_background = False  # its own selection replaces the one loaded before it
             if self._reason:
                 self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
             self._refresh_from_export(background=bool(self.options.selection_delay) and self._selected is not None)
         else:
             self.stats.t_fast += seconds
+            if self._loaded_in_background:
+                self._loaded_in_background = False
+                self.stats.t_fast_after_load += seconds
             self._tail += 1
             self.stats.n_fast += 1
             if self.native.fell_back_dense:
@@ -472,6 +479,7 @@ class SFIStepper:
         self.stats.t_selector_background += t_background
         if self._sparse:
             self._use_selection(selected, candidates=candidates)
+            self._loaded_in_background = True
             # the memory changes now: gaps and T_max count from here, and the confidence trigger judges
             # the new selection, not the stale one the fast steps used meanwhile
             self.policy.note_refresh()

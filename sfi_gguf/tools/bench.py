@@ -91,7 +91,8 @@ class BenchRow:
     async_skipped: int = 0         #     the worker took per refresh (export over the host cache + Selector)
     t_async_refresh_s: float = 0.0
     t_async_parts_s: dict = dataclasses.field(default_factory=dict)  # the async run's decoding thread: seconds of its
-    #                                slow steps, fast steps, loads of refreshes (waits included) and of them the waits
+    #                                slow steps, fast steps, loads of refreshes (waits included); of them the waits and
+    #                                the fast steps right after a load (which gather its memory into the view)
     t_async_export_s: float = 0.0  # of t_async_refresh_s, the export over the host cache (the rest: the Selector)
     dense_host_tokens: int = 0     # kv_on_host: tokens the dense host-KV row decoded (fewer than decoded_tokens where
     #                                --dense-host-n says: each of its steps reads the whole cache on the CPU)
@@ -229,7 +230,7 @@ def decode_forced(llm, stepper: Stepper, prompt: Sequence[int], forced: Sequence
         if hasattr(stepper, "stats"):
             s = stepper.stats
             s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
-            s.t_host_export = s.t_refresh_wait = 0.0
+            s.t_host_export = s.t_refresh_wait = s.t_fast_after_load = 0.0
         t0 = time.perf_counter()
         for token in forced:
             sampler.sample(ctx)  # the pick a real decode makes (waits for the step)
@@ -408,7 +409,8 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
     ctx.truncate(depth)
     a = async_stepper.stats
     log(f"depth {depth}: SFI async {n_decode / async_s:.1f} tok/s: slow steps {a.t_slow:.2f} s, {a.n_fast} fast steps "
-        f"{a.t_fast:.2f} s, refresh loads {a.t_selector:.2f} s (waits {a.t_refresh_wait:.2f} s); a refresh "
+        f"{a.t_fast:.2f} s (those after a load {a.t_fast_after_load:.2f} s), refresh loads {a.t_selector:.2f} s "
+        f"(waits {a.t_refresh_wait:.2f} s); a refresh "
         f"{a.t_selector_background / max(1, a.n_host_refresh):.2f} s, its export over the host cache "
         f"{a.t_host_export / max(1, a.n_host_refresh):.2f} s")
     return BenchRow(
@@ -420,7 +422,8 @@ def _host_row(llm, config: SFIConfig, depth: int, text, n_decode: int, sampling:
         slow_reasons=dict(s.reasons), prefill_s=prefill_s, dense_host_tokens=n_dense,
         sfi_async_tok_s=n_decode / async_s, async_refreshes=a.n_host_refresh, async_skipped=a.n_refresh_skipped,
         t_async_refresh_s=a.t_selector_background / max(1, a.n_host_refresh),
-        t_async_parts_s=dict(slow=a.t_slow, fast=a.t_fast, load=a.t_selector, wait=a.t_refresh_wait),
+        t_async_parts_s=dict(slow=a.t_slow, fast=a.t_fast, load=a.t_selector, wait=a.t_refresh_wait,
+                             gather=a.t_fast_after_load),
         t_async_export_s=a.t_host_export / max(1, a.n_host_refresh),
         cache_host_bytes=memory.cache_host if memory else 0,
         view_device_bytes=memory.view_device if memory else 0)
