@@ -57,15 +57,51 @@ static ggml_backend_buffer_t llama_sfi_buffer_of(const ggml_tensor * t) {
     return t->view_src ? t->view_src->buffer : t->buffer;
 }
 
+// dst [ne0, n, ne2, ne3] = the rows idx [n, ne2, ne3] of src [ne0, cells, ne2, ne3], whole rows in src's type
+static void llama_sfi_gather_rows(ggml_tensor * dst, int ith, int nth, void * /*userdata*/) {
+    const ggml_tensor * src = dst->src[0];
+    const ggml_tensor * idx = dst->src[1];
+
+    const int64_t n      = dst->ne[1];
+    const int64_t n_rows = n*dst->ne[2]*dst->ne[3];
+    const size_t  row    = ggml_row_size(src->type, src->ne[0]);
+
+    // a contiguous range of the output's rows per thread
+    const int64_t r0 = n_rows*ith/nth;
+    const int64_t r1 = n_rows*(ith + 1)/nth;
+    for (int64_t r = r0; r < r1; ++r) {
+        const int64_t i = r % n;
+        const int64_t j = r / n % dst->ne[2];
+        const int64_t l = r / n / dst->ne[2];
+
+        const int32_t c = *(const int32_t *) ((const char *) idx->data + i*idx->nb[0] + j*idx->nb[1] + l*idx->nb[2]);
+        memcpy((char *) dst->data + i*dst->nb[1] + j*dst->nb[2] + l*dst->nb[3],
+               (const char *) src->data + c*src->nb[1] + j*src->nb[2] + l*src->nb[3], row);
+    }
+}
+
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * dst,
-        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots) {
+        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots, int64_t slot0) {
     ggml_tensor * t = ggml_sfi_copy_rows(ctx, dst, src, idx, slots);
 
-    // from a cache in host memory into a view on a device: the rows are gathered on the CPU (get_rows, pinned there by
+    // from a cache in host memory into a view on a device: the rows are gathered on the CPU (pinned there by
     // llama_sfi_place_host_cache) and the scheduler copies them to the device in one transfer
     ggml_backend_buffer_t buf_src = llama_sfi_buffer_of(src);
     ggml_backend_buffer_t buf_dst = llama_sfi_buffer_of(dst);
     const bool across = buf_src && buf_dst && ggml_backend_buffer_is_host(buf_src) != ggml_backend_buffer_is_host(buf_dst);
+
+    const size_t ts = ggml_type_size(src->type);
+    if (across && ggml_backend_buffer_is_host(buf_src) && src->type == dst->type && (ts == 2 || ts == 4) &&
+            src->nb[0] == ts && idx->type == GGML_TYPE_I32 && idx->ne[1] == src->ne[2] && idx->ne[2] == src->ne[3]) {
+        // the rows in the cache's type (get_rows gives F32 rows: twice the bytes of an F16 cache to copy), then one copy
+        // into the slots, which follow each other
+        ggml_tensor * args[] = { src, idx };
+        ggml_tensor * rows = ggml_custom_4d(ctx, src->type, src->ne[0], idx->ne[0], src->ne[2], src->ne[3], args, 2,
+                llama_sfi_gather_rows, GGML_N_TASKS_MAX, nullptr);
+        ggml_tensor * into = ggml_view_4d(ctx, dst, dst->ne[0], idx->ne[0], dst->ne[2], dst->ne[3],
+                dst->nb[1], dst->nb[2], dst->nb[3], slot0*dst->nb[1]);
+        return ggml_set_name(ggml_cpy(ctx, rows, into), "sfi_gather");
+    }
 
     if (across || !llama_sfi_backend_runs(params, t, src)) {
         // get_rows gives F32 rows: lossless for F16/BF16; for Q8_0/Q4_x, dequantize -> quantize gives back the same blocks
@@ -462,7 +498,7 @@ static ggml_tensor * llama_sfi_gather(
     ggml_tensor * dst_h = ggml_view_3d(ctx, dst, n_embd_head, dst->ne[1], n_head_kv,
             dst->nb[1], ggml_row_size(dst->type, n_embd_head), 0);
 
-    return llama_sfi_copy_rows(ctx, params, dst_h, src_h, sel, slots);
+    return llama_sfi_copy_rows(ctx, params, dst_h, src_h, sel, slots, 0);
 }
 
 // dst [n_sel, n_rows, n_head_kv] = the columns sel [n_sel, n_head_kv] of src [kv_size, n_rows, n_head_kv], each head its
@@ -653,7 +689,7 @@ void llama_sfi_build_load(
 
             ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, h, a, own->nb[1], own->nb[2], own0);
 
-            ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots));
+            ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots, 0));
         } else {
             for (int64_t j = 0; j < h; ++j) {
                 ggml_tensor * s4 = view_4d(src, t_src, d, ns, t_src->nb[2], nl, src.stride, j*hs_src);
@@ -661,7 +697,7 @@ void llama_sfi_build_load(
 
                 ggml_tensor * idx = ggml_view_3d(ctx, own, k_head, ns, nl, own->nb[2], ns*own->nb[2], own0 + j*own->nb[1]);
 
-                ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots));
+                ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, own_slots, 0));
             }
         }
 
@@ -671,7 +707,7 @@ void llama_sfi_build_load(
 
         ggml_tensor * idx = ggml_view_3d(ctx, inp.shared, n_shared, ns, nl, inp.shared->nb[2], inp.shared->nb[1], 0);
 
-        ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, shared_slots));
+        ggml_build_forward_expand(gf, llama_sfi_copy_rows(ctx, view.params, d4, s4, idx, shared_slots, k_head));
     };
 
     // layers that lie at one stride in the cache and in the view take one gather per tensor for all of them, the

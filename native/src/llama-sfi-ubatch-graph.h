@@ -102,10 +102,11 @@ bool llama_sfi_backend_runs(const llama_sfi_params & params, const ggml_tensor *
 ggml_tensor * llama_sfi_top_k(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * a, int k,
         bool sorted_fallback, const ggml_tensor * storage);
 
-// dst[:, slots[i], j, l] = src[:, idx[i, j, l], j, l]: ggml_sfi_copy_rows where it runs on the backend of src, else
-// get_rows then set_rows
+// dst[:, slot0 + i, j, l] = src[:, idx[i, j, l], j, l], where slots holds slot0 .. slot0+n-1 (n = idx->ne[0]):
+// ggml_sfi_copy_rows where it runs on the backend of src; from host memory to a device, the rows gathered on the CPU
+// and copied over; else get_rows then set_rows
 ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, const llama_sfi_params & params, ggml_tensor * dst,
-        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots);
+        ggml_tensor * src, ggml_tensor * idx, ggml_tensor * slots, int64_t slot0);
 
 // a cache in host memory with the view on a device (llama_sfi_view::cache_on_host): the nodes of gf that read the
 // cache run on the CPU backend of sched, so that no step copies the cache to the device; but for the attention of a
