@@ -26,9 +26,11 @@ Prompt = Union[str, Sequence[Message], Sequence[int]]
 # Prompts longer than this show a progress bar while they are processed (when progress is on).
 PROGRESS_MIN_TOKENS = 1024
 
-# n_batch with kv_on_host: each prompt ubatch's attention reads a copy of the cached cells on the device, so
-# larger ubatches copy the cache fewer times
+# n_batch and the ubatch with kv_on_host: each ubatch of a prompt attends on the device over a copy of every cached
+# cell, so a larger ubatch copies the cache fewer times (at 512 tokens a 32K prompt copied ~150 GB: 13x the in-VRAM
+# prefill); its device buffers grow with it (the attention mask alone: n_ctx x ubatch x 2 bytes, 0.5 GiB at 128K)
 KV_ON_HOST_BATCH = 4096
+KV_ON_HOST_UBATCH = 2048
 
 
 def _check_kv_on_host(n_gpu_layers: int, flash_attn: bool) -> None:
@@ -122,7 +124,8 @@ class SFILlama:
         self._ctx = LlamaContext(self.model_path, n_ctx=n_ctx, n_gpu_layers=n_gpu_layers, n_threads=n_threads,
                                  n_batch=n_batch, flash_attn=flash_attn, verbose=verbose, split_mode=split_mode,
                                  main_gpu=main_gpu, tensor_split=tensor_split, rpc_servers=rpc_servers,
-                                 n_seq_max=n_parallel, offload_kqv=not kv_on_host, type_kv=type_kv)
+                                 n_seq_max=n_parallel, offload_kqv=not kv_on_host, type_kv=type_kv,
+                                 n_ubatch=KV_ON_HOST_UBATCH if kv_on_host else None)
         try:
             _check_fits(self.sfi_config, self._ctx.n_ctx)
         except ValueError:

@@ -167,7 +167,9 @@ def test_rpc_kv_on_host_mixed_step_equals_steps_alone(servers, export):
 def test_rpc_kv_on_host_decodes_as_kv_on_device(servers):
     """SFILlama(kv_on_host=True) against the same model with the cache beside its layers, fed the same tokens: the
     same slow steps, and logits equal up to rounding (host slow steps attend with the fused attention + evidence op
-    on the CPU, the rpc-server with flash attention and the evidence op); only the view is in device memory."""
+    on the CPU, the rpc-server with flash attention and the evidence op); only the view is in device memory. The
+    host cache's prompt goes in ubatches as large as the context allows (each copies the cache to the device), the
+    other in ubatches of 512."""
     rng = np.random.default_rng(1)
     prompt = [int(t) for t in rng.integers(3, 300, 700)]
     forced = [int(t) for t in rng.integers(3, 300, 48)]
@@ -177,7 +179,8 @@ def test_rpc_kv_on_host_decodes_as_kv_on_device(servers):
     runs, memories = [], []
     for kv_on_host in (True, False):
         with SFILlama(four_layers(), n_ctx=1024, n_threads=1, n_gpu_layers=99, rpc_servers=servers[:1],
-                      n_batch=512, sfi=config, kv_on_host=kv_on_host) as llm:
+                      n_batch=None if kv_on_host else 512, sfi=config, kv_on_host=kv_on_host) as llm:
+            assert llama_cpp.llama_n_ubatch(llm.context.ctx) == (1024 if kv_on_host else 512)
             stepper = llm.stepper(config)
             stepper.prefill(prompt)
             logits = []

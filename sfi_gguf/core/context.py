@@ -89,10 +89,11 @@ class LlamaContext:
                  n_batch: int, flash_attn: bool, verbose: bool, type_kv: str = "f16", split_mode: str = "layer",
                  main_gpu: int = 0, tensor_split: Sequence[float] | None = None,
                  rpc_servers: Sequence[str] | None = None, n_seq_max: int = 1, cb_eval=None,
-                 offload_kqv: bool = True):
+                 offload_kqv: bool = True, n_ubatch: int | None = None):
         """cb_eval: a llama_cpp.ggml_backend_sched_eval_callback, called for every graph node (profiling,
         tests); kept alive with the context. offload_kqv False: the KV cache in host memory (llama.cpp's
-        -nkvo); with SFI the compact view then lives on the device of its layer (kv_on_host)."""
+        -nkvo); with SFI the compact view then lives on the device of its layer (kv_on_host). n_ubatch: the most
+        tokens of a prompt in one graph (default 512, and never above n_batch)."""
         if n_seq_max < 1:
             raise ValueError(f"n_seq_max must be >= 1, got {n_seq_max}")
         llama_cpp._logger.set_verbose(verbose)
@@ -130,7 +131,7 @@ class LlamaContext:
         cparams = llama_cpp.llama_context_default_params()
         cparams.n_ctx = n_ctx * n_seq_max
         cparams.n_batch = max(min(n_batch, n_ctx), n_seq_max)
-        cparams.n_ubatch = max(min(n_batch, n_ctx, 512), n_seq_max)
+        cparams.n_ubatch = max(min(n_batch, n_ctx, n_ubatch or 512), n_seq_max)
         cparams.n_seq_max = n_seq_max
         cparams.kv_unified = False  # one KV stream per sequence: what batched SFI needs
         cparams.n_threads = n_threads
