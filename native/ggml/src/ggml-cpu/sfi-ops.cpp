@@ -31,7 +31,7 @@ static void sfi_row_to_f32(ggml_type t, const char * row, float * y, int64_t n) 
     }
 }
 
-// the cells [c0, c0 + n_c) of stream b of t (K or V [D, n_kv, n_head_kv, ns] of a float type) as F32, [head][cell][D]:
+// the cells [c0, c0 + n_c) of stream b of t (K or V [D, n_kv, n_head_kv, ns]) as F32, [head][cell][D]:
 // each cell's heads in turn, as a cache's row holds them
 static void sfi_block_to_f32(const ggml_tensor * t, int64_t c0, int64_t n_c, int64_t b, float * y) {
     const int64_t D = t->ne[0];
@@ -285,9 +285,11 @@ static void sfi_mad_rows_f32(int64_t n, int64_t n_c, const float * w, int64_t w_
 }
 
 // the products of a KV head's query rows with its keys as the evidence op takes them (and mul_mat and flash attention):
-// the rows, F32, rounded to the keys' vec_dot type. Keys of a float type: the rows kept as F32 (rounded), a chunk's
-// keys converted to F32 once and multiplied with every row (sfi_scores_f32); other keys: the rows in the vec_dot
-// type, one vec_dot per key and row
+// the rows, F32, rounded to the keys' vec_dot type. Keys of a float type, or of a type whose products with Q8_0 rows
+// are those of the dequantized values (a block's F16 scale times small integers: exact in F32, so the F32 products
+// differ from ggml's integer ones by rounding alone): the rows kept as F32 (rounded), a block's keys converted to F32
+// once and multiplied with every row (sfi_scores_f32); other keys: the rows in the vec_dot type, one vec_dot per key
+// and row
 struct sfi_key_products {
     const ggml_type_traits_cpu * k_traits;
     const ggml_type_traits_cpu * q_traits;
@@ -299,16 +301,21 @@ struct sfi_key_products {
 
     static bool float_keys(ggml_type t) { return t == GGML_TYPE_F32 || t == GGML_TYPE_F16 || t == GGML_TYPE_BF16; }
 
+    static bool f32_keys(ggml_type t) {
+        return float_keys(t) || (ggml_get_type_traits_cpu(t)->vec_dot_type == GGML_TYPE_Q8_0 &&
+                ggml_get_type_traits(t)->to_float && ggml_get_type_traits(GGML_TYPE_Q8_0)->to_float);
+    }
+
     // bytes of a query row as set_row writes it
     static size_t row_bytes(ggml_type k_type, int64_t n_embd) {
-        return float_keys(k_type) ? sizeof(float)*n_embd : ggml_row_size(ggml_get_type_traits_cpu(k_type)->vec_dot_type, n_embd);
+        return f32_keys(k_type) ? sizeof(float)*n_embd : ggml_row_size(ggml_get_type_traits_cpu(k_type)->vec_dot_type, n_embd);
     }
 
     sfi_key_products(const ggml_tensor * k, int64_t n_embd) : k_type(k->type), n_embd(n_embd) {
         k_traits     = ggml_get_type_traits_cpu(k->type);
         vec_dot_type = k_traits->vec_dot_type;
         q_traits     = ggml_get_type_traits_cpu(vec_dot_type);
-        f32_rows     = float_keys(k->type);
+        f32_rows     = f32_keys(k->type);
         q_row_size   = row_bytes(k->type, n_embd);
         GGML_ASSERT(k_traits->vec_dot && (vec_dot_type == GGML_TYPE_F32 || q_traits->from_float));
     }
@@ -321,6 +328,13 @@ struct sfi_key_products {
             return;
         }
         float * r = (float *) row;
+        if (!float_keys(k_type)) {
+            // through the vec_dot type's blocks, as mul_mat quantizes the rows it multiplies with such keys
+            std::vector<char> blocks(ggml_row_size(vec_dot_type, n_embd));
+            q_traits->from_float(qj, blocks.data(), n_embd);
+            ggml_get_type_traits(vec_dot_type)->to_float(blocks.data(), r, n_embd);
+            return;
+        }
         for (int64_t d = 0; d < n_embd; ++d) {
             switch (vec_dot_type) {
                 case GGML_TYPE_F16:  r[d] = GGML_CPU_FP16_TO_FP32(GGML_CPU_FP32_TO_FP16(qj[d])); break;
@@ -506,7 +520,7 @@ static void sfi_compute_chunked_attention(const ggml_compute_params * params, co
                 mask_ch[r*SFI_CHUNK + i] = sfi_mask_value(a.mask, c0 + i, r, b);
             }
         }
-        // the scores of each head's rows: q.k, in the weights; float keys a block of cells at a time, converted to F32
+        // the scores of each head's rows: q.k, in the weights; keys taken as F32 a block of cells at a time, converted
         // in the order of the cache's rows
         for (int64_t s0 = c0; s0 < c1; s0 += a.n_block) {
             const int64_t n_s = std::min(c1, s0 + a.n_block) - s0;
