@@ -252,8 +252,8 @@ def test_rpc_bench_kv_on_host(servers):
             assert (r.prefill_s > 0) != prefill_in_vram, r
             assert 0 < r.view_device_bytes < r.cache_host_bytes, r
             assert r.sfi_async_tok_s > 0 and r.async_refreshes > 0 and r.t_async_refresh_s > 0, r
-            assert r.t_async_parts_s["fast"] > 0 and r.t_async_parts_s["load"] > 0, r
             parts = r.t_async_parts_s
+            assert parts["fast"] > 0 and parts["load"] > 0, r
             assert parts["slow"] + parts["fast"] + parts["load"] < r.decoded_tokens / r.sfi_async_tok_s, r
             assert 0 <= parts["wait"] <= parts["load"] and 0 < r.t_async_export_s <= r.t_async_refresh_s, r
             assert 0 < parts["gather"] < parts["fast"], r

@@ -90,11 +90,12 @@ ggml_tensor * llama_sfi_copy_rows(ggml_context * ctx, const llama_sfi_params & p
     ggml_backend_buffer_t buf_dst = llama_sfi_buffer_of(dst);
     const bool across = buf_src && buf_dst && ggml_backend_buffer_is_host(buf_src) != ggml_backend_buffer_is_host(buf_dst);
 
-    const size_t ts = ggml_type_size(src->type);
-    if (across && ggml_backend_buffer_is_host(buf_src) && src->type == dst->type && (ts == 2 || ts == 4) &&
-            src->nb[0] == ts && idx->type == GGML_TYPE_I32 && idx->ne[1] == src->ne[2] && idx->ne[2] == src->ne[3]) {
+    if (across && ggml_backend_buffer_is_host(buf_src) && src->type == dst->type && !ggml_is_quantized(src->type) &&
+            src->nb[0] == ggml_type_size(src->type) && idx->type == GGML_TYPE_I32 && idx->ne[1] == src->ne[2] &&
+            idx->ne[2] == src->ne[3]) {
         // the rows in the cache's type (get_rows gives F32 rows: twice the bytes of an F16 cache to copy), then one copy
-        // into the slots, which follow each other
+        // into the slots, which follow each other (a quantized cache keeps get_rows: not every device copies quantized
+        // rows into a strided view)
         ggml_tensor * args[] = { src, idx };
         ggml_tensor * rows = ggml_custom_4d(ctx, src->type, src->ne[0], idx->ne[0], src->ne[2], src->ne[3], args, 2,
                 llama_sfi_gather_rows, GGML_N_TASKS_MAX, nullptr);

@@ -228,9 +228,9 @@ def decode_forced(llm, stepper: Stepper, prompt: Sequence[int], forced: Sequence
     try:
         stepper.prefill(list(prompt))
         if hasattr(stepper, "stats"):
-            s = stepper.stats
-            s.t_fast = s.t_slow = s.t_selector = s.t_dense = s.t_selector_background = 0.0
-            s.t_host_export = s.t_refresh_wait = s.t_fast_after_load = 0.0
+            for field in dataclasses.fields(stepper.stats):
+                if field.name.startswith("t_"):  # every time the stats keep
+                    setattr(stepper.stats, field.name, 0.0)
         t0 = time.perf_counter()
         for token in forced:
             sampler.sample(ctx)  # the pick a real decode makes (waits for the step)
