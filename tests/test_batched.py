@@ -147,11 +147,43 @@ def test_gpu_defaults(llm):
     assert gpu.effective_config(config).min_context == GPU_MIN_CONTEXT
     assert gpu.effective_config(config.replace(min_context=8192), batched=True).min_context == 8192
     assert gpu.effective_config(config).device_selector is True
+    # a batch's refreshes meet on every 8th step on a GPU; a single sequence and the CPU refresh at the trigger
+    assert gpu.effective_config(config, batched=True).refresh_grid == 8
+    assert gpu.effective_config(config).refresh_grid == llm.effective_config(config, batched=True).refresh_grid == 1
     assert gpu.effective_config(config.replace(device_selector=False)).device_selector is False
     # the CPU: dense below 2K cells with the default budget; an explicit k_head keeps the budget rule
     assert llm.effective_config(config, batched=True).min_context == CPU_MIN_CONTEXT
     assert llm.effective_config(config.replace(k_head=64)).min_context is None
     assert llm.effective_config(config).device_selector is None  # the CPU: the numpy Selector
+
+
+def test_refresh_grid_puts_the_sequences_refreshes_on_the_same_steps(llm, prompts):
+    """refresh_grid 4, a slow step every 6 (fixed) per sequence, sequences that start at different steps (3 slots, the
+    4th prompt joins when one ends): every slow sequence-step falls on a step of the batch that is a multiple of 4,
+    each trigger waited at most 3 steps, and a sequence alone refreshes on its own steps that are multiples of 4."""
+    config = SMALL.replace(min_context=0, fixed_period=6, refresh_grid=4)
+    decoder = llm.batched_decoder()
+    slow_at = []
+    decode = decoder._decode
+
+    def recording(group, tail=None):
+        slow_at.extend(decoder._n_step for _, kind in group if kind == "slow")
+        decode(group, tail)
+
+    decoder._decode = recording
+    try:
+        batch = _batch(llm, [prompts[0], prompts[1][:-30], prompts[3], prompts[2]], config, n=50)
+    finally:
+        del decoder._decode
+    assert len(slow_at) >= 20 and all(step % 4 == 0 for step in slow_at)
+    assert len(set(slow_at)) < len(slow_at)  # several sequences in one refresh's step
+    for b in batch:
+        assert b.stats.sfi.n_held_steps > 0 and b.stats.sfi.n_slow >= 6
+    alone = llm.generate(prompts[0], max_tokens=50, temperature=0, sfi=config, ignore_eos=True).stats.sfi
+    ungridded = llm.generate(prompts[0], max_tokens=50, temperature=0, sfi=config.replace(refresh_grid=1),
+                             ignore_eos=True).stats.sfi
+    assert all(step % 4 == 0 for step in alone.slow_steps) and alone.n_held_steps > 0
+    assert ungridded.slow_steps[:2] == [6, 12] and alone.slow_steps[:2] == [8, 16]
 
 
 def test_device_selector_each_sequence_decodes_as_it_would_alone(llm, prompts):

@@ -127,11 +127,18 @@ def test_staggered_sequences_refresh_on_different_steps(model):
     from sfi_gguf.tools.bench import run_bench_batched
 
     config = SFIConfig(k_head=64, n_recent=64, min_context=0)
-    together, staggered = (run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=N_DECODE, n_threads=2,
-                                             config=config, stagger=s, log=lambda _: None)[0] for s in (0, 4))
+    together = run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=N_DECODE, n_threads=2, config=config,
+                                 log=lambda _: None)[0]
+    staggered, gridded = run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=N_DECODE, n_threads=2,
+                                           config=config, stagger=4, variants=[config.replace(refresh_grid=8)],
+                                           log=lambda _: None)
     assert (together.stagger, staggered.stagger, staggered.batch) == (0, 4, 4)
     assert staggered.slow_steps > 0 and staggered.fast_steps > 0 and staggered.sfi_tok_s > 0
     assert staggered.mixed_steps > together.mixed_steps
+    # a variant's row: its refreshes on every 8th step of the batch meet in fewer mixed steps
+    assert (gridded.refresh_grid, staggered.refresh_grid) == (8, 1)
+    assert gridded.config_overrides == {**staggered.config_overrides, "refresh_grid": 8}
+    assert 0 < gridded.mixed_steps < staggered.mixed_steps and gridded.dense_tok_s == staggered.dense_tok_s
     with pytest.raises(ValueError):
         run_bench_batched(model, batch=4, depths=[DEPTH], n_decode=8, n_threads=2, config=config, stagger=4,
                           log=lambda _: None)

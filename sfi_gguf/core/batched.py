@@ -9,7 +9,9 @@ Selector, view) and sampler. A step
     to their compact views, slow and dense ones to all their cells, the slow ones export),
     and finishes each sequence (the Selector for the slow ones) and samples its next token.
 
-So the weights are read once per step, whatever the mix. Slow sequences whose exports differ (device
+So the weights are read once per step, whatever the mix. A step with one slow sequence among fast ones costs
+nearly what one with several costs, so the steppers count the batch's steps (their `clock`), and with
+`SFIConfig.refresh_grid` (8 on a GPU) every sequence's slow steps fall on the same steps. Slow sequences whose exports differ (device
 candidate counts, Selectors or groups of layers to refresh: short and long contexts) cannot share a
 decode: all but one such group decode apart, before the rest; so does a slow sequence that decodes its
 fast steps' tokens again with its own (`SFIConfig.redecode_tail`), in a ubatch of its own. `BatchedDecoder` keeps slots that
@@ -92,6 +94,7 @@ class BatchedDecoder:
         self._batch = llama_cpp.llama_batch_init(base.n_seq_max, 0, 1)
         self.native = native
         self._n_added = 0  # requests added so far (each slot's last_used is one of these)
+        self._n_step = 0   # steps decoded so far: every SFI stepper's clock (SFIConfig.refresh_grid)
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -134,6 +137,8 @@ class BatchedDecoder:
         if len(request.tokens) >= slot.ctx.n_ctx:
             raise ValueError(f"the prompt has {len(request.tokens)} tokens, a slot holds {slot.ctx.n_ctx} (n_ctx)")
         stepper = self.make_stepper(slot.ctx, request.config)
+        if hasattr(stepper, "clock"):  # its refreshes fall on the batch's steps (a dense stepper has none)
+            stepper.clock = self._clock
         slot.request = request
         slot.stepper = stepper
         # (a slot keeps its sampler chain between requests that pick alike: attaching or detaching one makes llama.cpp
@@ -176,6 +181,7 @@ class BatchedDecoder:
                 slot.request.done = True  # cancelled, or the context is full
         ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
+        self._n_step += 1
         planned = [(slot, slot.stepper.plan(slot.token)) for slot in self.active]
         tails = {slot: tail for slot, kind in planned if (tail := self._take_tail(slot, kind))}
         groups = [[(slot, "slow")] for slot in tails] + self._groups([p for p in planned if p[0] not in tails])
@@ -199,6 +205,10 @@ class BatchedDecoder:
         self.t_steps += dt
         self.n_steps += bool(planned)
         return ended
+
+    def _clock(self) -> int:
+        """The number of the step being planned."""
+        return self._n_step
 
     @staticmethod
     def _take_tail(slot: _Slot, kind: str) -> list[int]:

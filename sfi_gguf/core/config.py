@@ -93,6 +93,16 @@ class SFIConfig:
     up to a tail's tokens in place of one. In a batch, such a slow step decodes apart from the other
     sequences' tokens."""
 
+    refresh_grid: int | None = None
+    """Slow steps fall only on steps whose number is a multiple of this: a trigger between two such steps waits
+    for the next one (up to refresh_grid - 1 fast steps on the selection it would have replaced). In a batch the
+    step number is the batch's, so the refreshes of sequences that started at different times (a server's
+    requests) fall on the same steps and decode together: a step whose sequences are all fast costs what a fast
+    step costs, and one slow sequence in a step of fast ones costs nearly what several do (BENCHMARKS.md, "Batched
+    SFI on the GPU"). None: `plan.BATCHED_REFRESH_GRID` (8) for batched decoding on a GPU, else 1 (a trigger's own
+    step). Its quality price, single sequences (the worst case: no other sequence to meet): BENCHMARKS.md, "The
+    speed options' quality price"."""
+
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""
 
@@ -159,6 +169,8 @@ class SFIConfig:
         for name in ("n_sink", "n_recent", "selection_delay"):
             value = getattr(self, name)
             need(is_int(value) and value >= 0, name, "must be an integer >= 0")
+        need(self.refresh_grid is None or (is_int(self.refresh_grid) and self.refresh_grid >= 1), "refresh_grid",
+             "must be None (8 in batches on a GPU, else 1) or an integer >= 1")
         for name in ("n_prefill_queries", "refresh_layer_groups"):
             value = getattr(self, name)
             need(is_int(value) and value >= 1, name, "must be an integer >= 1")

@@ -7,7 +7,8 @@ not), the context's size and whether its sequences decode in a batch, into an im
 - the trigger policy and the Selector: registered classes with their `Params` (`policy.py`, `selector.py`),
   built fresh for each stepper (they keep state);
 - `ExecOptions`: how the steps are computed (dense below a minimum context, the Selector on the device,
-  candidates, delayed selections, layer groups, the query rows of the bootstrap, the tail decoded again);
+  candidates, delayed selections, layer groups, the query rows of the bootstrap, the tail decoded again, the steps
+  slow steps fall on);
 - `NativeParams`: the `llama_sfi_params` of the context's native state, the native graph switches among them.
 
 The stepper and the native bindings read the plan; no default is looked up again at a step or a refresh.
@@ -40,6 +41,12 @@ CPU_MIN_CONTEXT = 2048
 # SFIConfig.min_context says otherwise); with their refreshes staggered, as a server's requests are, batched SFI
 # pays from here (BENCHMARKS.md, "Where batched SFI starts on a GPU").
 GPU_BATCHED_MIN_CONTEXT = 32768
+
+# Batched decoding with layers on a GPU: slow steps fall on every 8th step of the batch (unless
+# SFIConfig.refresh_grid says otherwise), so that sequences whose triggers come at different steps refresh in one
+# decode: a step with one slow sequence among fast ones costs a large share of one with many (BENCHMARKS.md,
+# "Batched SFI on the GPU"), and a trigger waits at most 7 steps
+BATCHED_REFRESH_GRID = 8
 
 # An asynchronous refresh (SFIConfig.async_refresh) is loaded once ready, and at most this many fast steps after its
 # trigger (the decoding thread then waits for it): the bound keeps the cells that enter the selection's range
@@ -98,6 +105,7 @@ class ExecOptions:
     n_prefill_queries: int = 16
     redecode_tail: bool = False
     async_refresh: bool = False
+    refresh_grid: int = 1
 
     @property
     def max_selection_delay(self) -> int:
@@ -189,6 +197,9 @@ def effective_config(config, offloaded: bool, batched: bool = False, kv_on_host:
     if offloaded and config.device_selector is None:
         # the numpy Selector would cost about as much as the slow step: it runs in the slow step's graph
         changes["device_selector"] = True
+    if config.refresh_grid is None:
+        # one slow sequence among fast ones costs a batched step about what several cost: their refreshes meet
+        changes["refresh_grid"] = BATCHED_REFRESH_GRID if batched and offloaded else 1
     if config.min_context is None:
         if offloaded:
             # a dense step is cheap until the context is long: below it the slow steps and the Selector cost more
@@ -205,7 +216,8 @@ def options_of(config) -> ExecOptions:
     return ExecOptions(min_context=config.min_context, device_selector=bool(config.device_selector),
                        n_candidates=config.n_candidates, selection_delay=config.selection_delay,
                        refresh_layer_groups=config.refresh_layer_groups, n_prefill_queries=config.n_prefill_queries,
-                       redecode_tail=config.redecode_tail, async_refresh=bool(config.async_refresh))
+                       redecode_tail=config.redecode_tail, async_refresh=bool(config.async_refresh),
+                       refresh_grid=config.refresh_grid or 1)
 
 
 def resolve_plan(config, n_ctx: int, offloaded: bool = False, batched: bool = False,

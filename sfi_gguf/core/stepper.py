@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import numpy as np
 
@@ -101,6 +101,7 @@ class SFIStats:
     t_fast_after_load: float = 0.0  # of t_fast, the first fast step after each background selection's load (it
     #                                 gathers the new memory into the view)
     n_refresh_skipped: int = 0      # triggers that came while such a refresh was still computed
+    n_held_steps: int = 0           # fast steps decoded while a trigger waited for the refresh grid (refresh_grid)
     n_device_selections: int = 0    # refreshes whose Selector ran in the slow step's graph
     n_group_refresh: int = 0        # of them, refreshes of one group of layers (refresh_layer_groups)
 
@@ -158,6 +159,10 @@ class SFIStepper:
         self._capturing = False           # the planned fast step keeps its queries for an asynchronous refresh
         self._lent_threads = False        # ... and its refresh computes on threads the context lent
         self._loaded_in_background = False  # a background selection was loaded since the last fast step
+        self._held: str | None = None     # the reason of a trigger waiting for the refresh grid's next step
+        self.clock: Callable[[], int] = lambda: self._n_step
+        """The number of the step being planned, which `refresh_grid` reads: the generation's own steps, or a
+        batch's (`BatchedDecoder`), whose sequences then refresh on the same steps."""
 
     def _wants_sparse(self, n_context: int) -> bool:
         return self.policy.memory is not MemoryMode.DENSE and not self.sfi_plan.stays_dense(n_context)
@@ -168,6 +173,7 @@ class SFIStepper:
         self._drop_pending()
         self._sparse = False
         self._selected = None
+        self._held = None
         self.native.set_mode(SFINative.DENSE)
         self.policy.reset(context=tokens[-8:])
         n = len(tokens)
@@ -237,6 +243,8 @@ class SFIStepper:
             self.policy.observe_confidence(self._top1)
         slow = self.policy.on_token(token)
         reason = self.policy.reason if slow else None
+        if self._sparse and self.options.refresh_grid > 1 and not self.options.async_refresh:
+            slow, reason = self._on_grid(slow, reason)
         n_after = len(self.ctx.tokens) + 1
         if not self._sparse:
             if self._wants_sparse(n_after):  # the context just grew past the threshold
@@ -275,6 +283,7 @@ class SFIStepper:
             self.stats.n_slow += 1
             self.stats.slow_steps.append(self._n_step)
             self._loaded_in_background = False  # its own selection replaces the one loaded before it
+            self._held = None
             if self._reason:
                 self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
             self._refresh_from_export(background=bool(self.options.selection_delay) and self._selected is not None)
@@ -309,6 +318,17 @@ class SFIStepper:
         stats.sfi = self.stats
 
     # -- internals --------------------------------------------------------------------------------
+    def _on_grid(self, slow: bool, reason: str | None) -> tuple[bool, str | None]:
+        """(slow, reason) of this step under `refresh_grid`: a trigger waits for the next step whose number
+        (`clock`) is a multiple of it, with the reason it came with."""
+        if slow and self._held is None:
+            self._held = reason
+        if self._held is None or self.clock() % self.options.refresh_grid:
+            self.stats.n_held_steps += self._held is not None
+            return False, None
+        reason, self._held = self._held, None
+        return True, reason
+
     def _set_slow(self, n_context: int) -> None:
         if isinstance(self._selected, DeviceSelection) and self.options.selection_delay:
             self._selected = np.asarray(self._selected)  # a background refresh after this step loads it again

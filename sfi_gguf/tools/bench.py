@@ -73,6 +73,7 @@ class BenchRow:
     min_context: int = 0           # SFI below this context decodes densely
     device_selector: bool = False  # the Selector ran in the slow step's graph (when it had candidates)
     refresh_layer_groups: int = 1  # > 1: a device-Selector refresh renewed one group of layers in turn
+    refresh_grid: int = 1          # > 1: slow steps fell on the steps that are multiples of it (batched: the batch's)
     slow_reasons: dict = dataclasses.field(default_factory=dict)  # why the slow steps fired (policy reasons)
     confidence_source: str = "model"  # what the low-confidence rule read: the model's own, or "trace: <model>"
     config_overrides: dict = dataclasses.field(default_factory=dict)  # SFIConfig fields not at their defaults
@@ -270,7 +271,8 @@ def _open(model, *, depths, n_decode: int, n_gpu_layers: int, n_threads: int | N
                   batch=n_parallel, split_mode=split_mode, n_gpus=n_gpus, type_kv=type_kv,
                   selection_delay=effective.selection_delay,
                   min_context=effective.min_context or 0, device_selector=bool(effective.device_selector),
-                  refresh_layer_groups=effective.refresh_layer_groups, config_overrides=config_overrides(config),
+                  refresh_layer_groups=effective.refresh_layer_groups, refresh_grid=effective.refresh_grid,
+                  config_overrides=config_overrides(config),
                   composite_ops=os.environ.get("LLAMA_SFI_FUSED") == "0" or effective.fused_ops is False,
                   fa_evidence_env=os.environ.get("LLAMA_SFI_FA_EVIDENCE"),
                   keep_graphs_env=os.environ.get("LLAMA_SFI_KEEP_GRAPHS"),
@@ -557,14 +559,15 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                       n_threads: int | None = None, flash_attn: bool | None = None,
                       config: SFIConfig | None = None, n_batch: int = 2048, split_mode: str = "layer",
                       stagger: int = 0, sampling: str = "greedy", type_kv: str = "f16",
-                      log: Callable[[str], None] = print) -> list[BenchRow]:
+                      variants: Sequence[SFIConfig] = (), log: Callable[[str], None] = print) -> list[BenchRow]:
     """`run_bench` for `batch` sequences decoding together (`sfi_gguf.core.batched`): each sequence holds its
     own text at the same depth; tok/s are aggregate (batch x decoded tokens / seconds of the steps).
 
     stagger: sequence i starts i x stagger steps after the first, and only the steps in which all of them
     decode are timed, so that their refreshes fall on different steps, as a server's requests do (started
     together, each one's refreshes come a fixed number of steps after its last on random weights, and so
-    stay in step)."""
+    stay in step). `variants`: more SFI configs decoded on the same contexts at each depth, a row each (as
+    `run_bench`'s)."""
     from ..core.batched import Request
 
     check_stagger(stagger, batch, n_decode)
@@ -618,23 +621,27 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
             t0 = time.perf_counter()
             dense_s, _ = run(depth, dense)
             log(f"depth {depth}: {batch} contexts ready and dense decoded in {time.perf_counter() - t0:.0f} s")
-            sfi_s, requests = run(depth, config)
-            stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
-            selector = sum(s.t_selector for s in stats)
-            decoded = sum(decoder.t_decode.values())
-            row = BenchRow(
-                **shared, model_shape=model_shape, weight_type=weight_type, depth=depth, stagger=stagger,
-                k_head=config.resolve_k_head(depth), budget=_budget(config, depth),
-                dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
-                ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
-                mixed_steps=decoder.n_mixed,
-                dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
-                t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
-                t_python_s=max(0.0, sfi_s - decoded - selector),
-                t_selector_background_s=sum(s.t_selector_background for s in stats),
-                slow_reasons=dict(sum((Counter(s.reasons) for s in stats), Counter())))
-            rows.append(row)
-            log(format_row(row))
+            for run_config in (config, *variants):
+                sfi_s, requests = run(depth, run_config)
+                stats = [r.stats.sfi for r in requests if r.stats.sfi is not None]
+                selector = sum(s.t_selector for s in stats)
+                decoded = sum(decoder.t_decode.values())
+                row = BenchRow(
+                    **{**shared, "config_overrides": config_overrides(run_config),
+                       "refresh_grid": llm.effective_config(run_config, batched=True).refresh_grid},
+                    model_shape=model_shape,
+                    weight_type=weight_type, depth=depth, stagger=stagger,
+                    k_head=run_config.resolve_k_head(depth), budget=_budget(run_config, depth),
+                    dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
+                    ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
+                    mixed_steps=decoder.n_mixed,
+                    dense_steps=decoder.n_decode["dense"], t_fast_s=decoder.t_decode["fast"],
+                    t_slow_s=decoder.t_decode["slow"] + decoder.t_decode["dense"], t_selector_s=selector,
+                    t_python_s=max(0.0, sfi_s - decoded - selector),
+                    t_selector_background_s=sum(s.t_selector_background for s in stats),
+                    slow_reasons=dict(sum((Counter(s.reasons) for s in stats), Counter())))
+                rows.append(row)
+                log(format_row(row))
         return rows
     finally:
         llm.close()  # closes its batched decoder too
@@ -784,8 +791,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "each, on the same context (single sequences)")
     p.add_argument("--variant", action="append", default=[], metavar="FIELD=VALUE[,FIELD=VALUE]",
                    help="one more SFI run per depth and pick on the same context, with these SFIConfig fields "
-                        "changed (e.g. redecode_tail=on): a row each beside the default's (single sequences; "
-                        "repeatable)")
+                        "changed (e.g. redecode_tail=on, refresh_grid=1): a row each beside the default's (single "
+                        "sequences and batches; repeatable)")
     p.add_argument("--type-kv", default="f16", choices=["f16", "q8_0", "q4_0", "bf16", "f32"],
                    help="the KV cache's type (keys and values; a quantized V needs flash attention)")
     p.add_argument("--kv-on-host", action="store_true",
@@ -840,8 +847,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         variants = [config_variant(config, text) for text in args.variant]
     except ValueError as e:
         raise SystemExit(f"--variant: {e}")
-    if (len(args.sampling) > 1 or variants) and (args.batch > 1 or args.kv_on_host):
-        raise SystemExit("several --sampling values and --variant: single sequences, the KV cache in GPU memory")
+    if (len(args.sampling) > 1 and args.batch > 1) or ((len(args.sampling) > 1 or variants) and args.kv_on_host):
+        raise SystemExit("several --sampling values: single sequences; --variant: the KV cache in GPU memory")
     if args.prefill_in_vram and not args.kv_on_host:
         raise SystemExit("--prefill-in-vram: only with --kv-on-host")
     if args.dense_host_n < 0 or (args.dense_host_n and not args.kv_on_host):
@@ -852,7 +859,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = run_bench_kv_on_host(model, prefill_in_vram=args.prefill_in_vram, n_dense_host=args.dense_host_n,
                                     **kwargs)
     elif args.batch > 1:
-        rows = run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv, **kwargs)
+        rows = run_bench_batched(model, batch=args.batch, stagger=args.stagger, type_kv=args.type_kv,
+                                 variants=variants, **kwargs)
     else:
         rows = run_bench(model, confidence_trace=trace, type_kv=args.type_kv, samplings=args.sampling,
                          variants=variants, **kwargs)

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(SFIConfig.async_refresh) loaded 16 or 64 steps after its trigger; recent512: a recent window of "
                         "512 at the same budget (k_head 256 lower); interval32: a refresh at the latest every 32 "
                         "steps (refresh_interval); redecode_interval32, redecode_recent512: redecode with interval32 or recent512; "
-                        "k3072, k4096, redecode_k4096: a selection of 3072 or 4096 cells per head whatever the budget's")
+                        "k3072, k4096, redecode_k4096: a selection of 3072 or 4096 cells per head whatever the budget's; "
+                        "grid4, grid8: slow steps only on every 4th or 8th step (SFIConfig.refresh_grid)")
     p.add_argument("--context", nargs="+", type=int, default=None, help="only these context lengths of the suite")
     p.add_argument("--cases", type=int, default=None,
                    help="at most this many cases per task and length (the first ones: a later run adds the rest)")

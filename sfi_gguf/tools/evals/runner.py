@@ -53,10 +53,14 @@ VARIANTS = {
     "k3072": ("punctuation", {"k_head": 3072}),
     "k4096": ("punctuation", {"k_head": 4096}),
     "redecode_k4096": ("punctuation", {"redecode_tail": True, "k_head": 4096}),
+    # slow steps only on every 4th or 8th step (refresh_grid; a batch's sequences then refresh together): a trigger
+    # waits up to 3 or 7 steps, as it does in a batch whose other sequences do not trigger meanwhile
+    "grid4": ("punctuation", {"refresh_grid": 4}),
+    "grid8": ("punctuation", {"refresh_grid": 8}),
 }
 #: every name a run may ask for, in table order
 ALL_POLICIES = ("dense", "punctuation", "redecode", "recent512", "interval32", "redecode_interval32", "redecode_recent512",
-                "k3072", "k4096", "redecode_k4096",
+                "k3072", "k4096", "redecode_k4096", "grid4", "grid8",
                 "delay4", "delay16", "async16", "async64", "paper", "fixed", "fixed16", "static", "sink_recent")
 LONG_TASKS = long_tasks.TASKS  # questions on one shared document (`longdoc`)
 TASKS = {m.TASK: m for m in (needle, variables, longgen, cot, *LONG_TASKS)}
