@@ -160,6 +160,7 @@ class SFIStepper:
         self._lent_threads = False        # ... and its refresh computes on threads the context lent
         self._loaded_in_background = False  # a background selection was loaded since the last fast step
         self._held: str | None = None     # the reason of a trigger waiting for the refresh grid's next step
+        self._waited = 0                  # ... the steps it has waited
         self.clock: Callable[[], int] = lambda: self._n_step
         """The number of the step being planned, which `refresh_grid` reads: the generation's own steps, or a
         batch's (`BatchedDecoder`), whose sequences then refresh on the same steps."""
@@ -173,7 +174,7 @@ class SFIStepper:
         self._drop_pending()
         self._sparse = False
         self._selected = None
-        self._held = None
+        self._held, self._waited = None, 0
         self.native.set_mode(SFINative.DENSE)
         self.policy.reset(context=tokens[-8:])
         n = len(tokens)
@@ -287,6 +288,8 @@ class SFIStepper:
             if self._reason:
                 self.stats.reasons[self._reason] = self.stats.reasons.get(self._reason, 0) + 1
             self._refresh_from_export(background=bool(self.options.selection_delay) and self._selected is not None)
+            # a trigger that waited for the grid: the policy counts the steps to the next one from the trigger
+            self.policy.steps_since_refresh, self._waited = self._waited, 0
         else:
             self.stats.t_fast += seconds
             if self._loaded_in_background:
@@ -324,6 +327,7 @@ class SFIStepper:
         if slow and self._held is None:
             self._held = reason
         if self._held is None or self.clock() % self.options.refresh_grid:
+            self._waited += self._held is not None
             self.stats.n_held_steps += self._held is not None
             return False, None
         reason, self._held = self._held, None
