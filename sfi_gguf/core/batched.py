@@ -95,6 +95,7 @@ class BatchedDecoder:
         self.native = native
         self._n_added = 0  # requests added so far (each slot's last_used is one of these)
         self._n_step = 0   # steps decoded so far: every SFI stepper's clock (SFIConfig.refresh_grid)
+        self._n_planned = 0  # sequences the step being planned decodes
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -182,7 +183,9 @@ class BatchedDecoder:
         ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
         self._n_step += 1
-        planned = [(slot, slot.stepper.plan(slot.token)) for slot in self.active]
+        active = self.active
+        self._n_planned = len(active)
+        planned = [(slot, slot.stepper.plan(slot.token)) for slot in active]
         tails = {slot: tail for slot, kind in planned if (tail := self._take_tail(slot, kind))}
         groups = [[(slot, "slow")] for slot in tails] + self._groups([p for p in planned if p[0] not in tails])
         for group in groups:
@@ -207,8 +210,9 @@ class BatchedDecoder:
         return ended
 
     def _clock(self) -> int:
-        """The number of the step being planned."""
-        return self._n_step
+        """The number of the step being planned; 0 while one sequence decodes alone (0 is on every grid: with no
+        other sequence to meet, a trigger does not wait)."""
+        return self._n_step if self._n_planned > 1 else 0
 
     @staticmethod
     def _take_tail(slot: _Slot, kind: str) -> list[int]:

@@ -120,7 +120,8 @@ def format_sfi_stats(s: SFIStats) -> str:
              f"after a refresh",
              f"  steps: {s.n_fast} fast, {s.n_slow} slow (+{s.n_bootstrap} bootstrap), {s.n_dense} dense"
              + (f", {s.n_fell_back} fell back to dense" if s.n_fell_back else "")
-             + (f", {s.n_cheap_refresh} recent-window refreshes" if s.n_cheap_refresh else ""),
+             + (f", {s.n_cheap_refresh} recent-window refreshes" if s.n_cheap_refresh else "")
+             + (f", {s.n_held_steps} fast while a trigger waited for the refresh grid" if s.n_held_steps else ""),
              f"  slow-step reasons: {s.reasons or '-'}; mean refresh overlap {s.mean_overlap:.2f}",
              f"  time: fast {s.t_fast:.2f} s, slow {s.t_slow:.2f} s, selector {s.t_selector:.2f} s, "
              f"dense {s.t_dense:.2f} s ({steps} steps)"]
