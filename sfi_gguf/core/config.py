@@ -99,9 +99,9 @@ class SFIConfig:
     step number is the batch's, so the refreshes of sequences that started at different times (a server's
     requests) fall on the same steps and decode together: a step whose sequences are all fast costs what a fast
     step costs, and one slow sequence in a step of fast ones costs nearly what several do (BENCHMARKS.md, "Batched
-    SFI on the GPU"). None: `plan.BATCHED_REFRESH_GRID` (8) for batched decoding on a GPU, else 1 (a trigger's own
-    step). Its quality price, single sequences (the worst case: no other sequence to meet): BENCHMARKS.md, "The
-    speed options' quality price"."""
+    SFI on the GPU"); a sequence alone in its batch does not wait. None: `plan.BATCHED_REFRESH_GRID` (8) for batched
+    decoding on a GPU, else 1 (a trigger's own step). Its quality price (single sequences with every trigger on the
+    grid, as a batch's): BENCHMARKS.md, "The speed options' quality price"."""
 
     n_prefill_queries: int = 16
     """Last prompt positions used as query rows by the bootstrap slow step after prefill."""
