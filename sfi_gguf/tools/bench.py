@@ -782,8 +782,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "tok/s are then aggregate")
     p.add_argument("--stagger", type=int, default=0,
                    help="with --batch: start sequence i i x STAGGER steps after the first and time only the steps "
-                        "in which all decode, so that their refreshes fall on different steps (as a server's "
-                        "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap)")
+                        "in which all decode, so that their triggers fall on different steps (as a server's "
+                        "requests do; e.g. 16 / batch: spread over the low-confidence rule's minimum gap; "
+                        "refresh_grid then gathers their refreshes, --variant refresh_grid=1 leaves them apart)")
     p.add_argument("--sampling", choices=SAMPLINGS, nargs="+", default=["greedy"],
                    help="the pick each step makes and waits for: greedy (default) or default sampling (temperature "
                         "0.8, top-k 40, top-p 0.95, min-p 0.05), both in the decode's graph, or host: that sampling "
