@@ -168,7 +168,7 @@ def test_refresh_grid_puts_the_sequences_refreshes_on_the_same_steps(llm, prompt
     decode = decoder._decode
 
     def recording(group, tail=None):
-        if decoder._n_planned > 1:  # (the last sequence decodes alone at the end)
+        if len(decoder.active) > 1:  # (the last sequence decodes alone at the end)
             slow_at.extend(decoder._n_step for _, kind in group if kind == "slow")
         decode(group, tail)
 

@@ -11,9 +11,9 @@ Selector, view) and sampler. A step
 
 So the weights are read once per step, whatever the mix. A step with one slow sequence among fast ones costs
 nearly what one with several costs, so the steppers count the batch's steps (their `clock`), and with
-`SFIConfig.refresh_grid` (8 on a GPU) every sequence's slow steps fall on the same steps. Slow sequences whose exports differ (device
-candidate counts, Selectors or groups of layers to refresh: short and long contexts) cannot share a
-decode: all but one such group decode apart, before the rest; so does a slow sequence that decodes its
+`SFIConfig.refresh_grid` (8 on a GPU) every sequence's slow steps fall on the same steps. Slow sequences whose
+exports differ (device candidate counts, Selectors or groups of layers to refresh: short and long contexts) cannot
+share a decode: all but one such group decode apart, before the rest; so does a slow sequence that decodes its
 fast steps' tokens again with its own (`SFIConfig.redecode_tail`), in a ubatch of its own. `BatchedDecoder` keeps slots that
 requests join and leave between steps; `SFILlama.generate_batch` and `sfi-gguf serve --parallel` use it.
 """
@@ -95,7 +95,6 @@ class BatchedDecoder:
         self.native = native
         self._n_added = 0  # requests added so far (each slot's last_used is one of these)
         self._n_step = 0   # steps decoded so far: every SFI stepper's clock (SFIConfig.refresh_grid)
-        self._n_planned = 0  # sequences the step being planned decodes
         self.reset_timing()
 
     def reset_timing(self) -> None:
@@ -183,9 +182,7 @@ class BatchedDecoder:
         ended = [self._finish(slot) for slot in self.active if slot.request.done]  # (or ended when added)
         t0 = time.perf_counter()
         self._n_step += 1
-        active = self.active
-        self._n_planned = len(active)
-        planned = [(slot, slot.stepper.plan(slot.token)) for slot in active]
+        planned = [(slot, slot.stepper.plan(slot.token)) for slot in self.active]
         tails = {slot: tail for slot, kind in planned if (tail := self._take_tail(slot, kind))}
         groups = [[(slot, "slow")] for slot in tails] + self._groups([p for p in planned if p[0] not in tails])
         for group in groups:
@@ -212,7 +209,7 @@ class BatchedDecoder:
     def _clock(self) -> int:
         """The number of the step being planned; 0 while one sequence decodes alone (0 is on every grid: with no
         other sequence to meet, a trigger does not wait)."""
-        return self._n_step if self._n_planned > 1 else 0
+        return self._n_step if len(self.active) > 1 else 0
 
     @staticmethod
     def _take_tail(slot: _Slot, kind: str) -> list[int]:

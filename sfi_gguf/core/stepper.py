@@ -327,9 +327,11 @@ class SFIStepper:
         (`clock`) is a multiple of it, with the reason it came with."""
         if slow and self._held is None:
             self._held = reason
-        if self._held is None or self.clock() % self.options.refresh_grid:
-            self._waited += self._held is not None
-            self.stats.n_held_steps += self._held is not None
+        if self._held is None:
+            return False, None
+        if self.clock() % self.options.refresh_grid:
+            self._waited += 1
+            self.stats.n_held_steps += 1
             return False, None
         reason, self._held = self._held, None
         return True, reason

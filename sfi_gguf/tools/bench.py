@@ -629,8 +629,7 @@ def run_bench_batched(model: str | Path, *, batch: int, model_shape: str = "", w
                 row = BenchRow(
                     **{**shared, "config_overrides": config_overrides(run_config),
                        "refresh_grid": llm.effective_config(run_config, batched=True).refresh_grid},
-                    model_shape=model_shape,
-                    weight_type=weight_type, depth=depth, stagger=stagger,
+                    model_shape=model_shape, weight_type=weight_type, depth=depth, stagger=stagger,
                     k_head=run_config.resolve_k_head(depth), budget=_budget(run_config, depth),
                     dense_tok_s=batch * n_decode / dense_s, sfi_tok_s=batch * n_decode / sfi_s, ceiling_tok_s=ceiling,
                     ratio=dense_s / sfi_s, slow_steps=decoder.n_decode["slow"], fast_steps=decoder.n_decode["fast"],
