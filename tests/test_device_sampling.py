@@ -2,8 +2,8 @@
 native/src/llama-sfi-sampler.cpp): llama.cpp's top-k, top-p, min-p, temperature and dist samplers with the request's
 seed, and the model's top-1 probability for SFI's trigger.
 
-The same seed gives the same tokens from run to run, and here (the CPU, top-k 40) the host chain's tokens for that
-seed; the top-1 probabilities are the host softmax's; requests whose logits something else reads or changes keep the host
+The same seed gives the same tokens from run to run, and here (the CPU, top-k 40: the SFI sampling ops) the host
+chain's tokens for that seed; the top-1 probabilities are the host softmax's; requests whose logits something else reads or changes keep the host
 chain; generations, single and batched, pick every token in the graph with the host's tokens and slow steps.
 """
 import os
@@ -43,6 +43,8 @@ def test_device_sampling_repeats_per_seed_and_is_the_host_chains(model):
             """The same decodes from an empty cache, each token sampled with `seed`: (tokens, top-1 probabilities)."""
             sampler = Sampler(SamplingParams(temperature=temperature, seed=seed, **params), ctx.n_vocab)
             assert ctx.set_device_picks(sampler.device_chain if on_device else None) == on_device
+            # with top-k on, the chain is the two SFI ops (ggml_sfi_top_k, ggml_sfi_sample); without, llama.cpp's
+            assert ctx._device_picks.fused == (on_device and sampler.params.top_k > 0)
             try:
                 ctx.clear()
                 ctx.prefill(tokens)

@@ -343,18 +343,21 @@ extern "C" {
     LLAMA_API bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl);
 
     // Sampling in the decode's graph with the model's confidence: a sampler for a llama_sampler_chain attached with
-    // llama_set_sampler() that runs filters (a chain of llama.cpp's samplers with a backend implementation and no
-    // inputs: top-k, top-p, min-p, temperature) in the graph, then picks as llama.cpp's dist sampler with this seed
-    // would (its random number drawn on the host as dist draws it, one a decode, in a buffer every graph of the context
-    // reads: SFI's kept graphs too), and adds the probability of the most likely token under the softmax of the logits
-    // (before the filters change them): after llama_decode(), llama_get_sampled_token_ith() is the pick,
-    // llama_get_sampled_probs_ith() that probability (one value), and nothing else is copied to the host. Takes
-    // ownership of filters (NULL: returns NULL). Outside a backend chain, the filters then llama.cpp's dist on the host.
-    LLAMA_API struct llama_sampler * llama_sfi_sampler_init_dist(struct llama_sampler * filters, uint32_t seed);
+    // llama_set_sampler() that picks as llama.cpp's samplers top-k (top_k 0: off), top-p, min-p (min_keep 1 each),
+    // temperature and dist with this seed would (the random number drawn on the host as dist draws it, one a decode,
+    // in a buffer every graph of the context reads: SFI's kept graphs too), and adds the probability of the most likely
+    // token under the softmax of the logits: after llama_decode(), llama_get_sampled_token_ith() is the pick,
+    // llama_get_sampled_probs_ith() that probability (one value), and nothing else is copied to the host. With top-k on
+    // and a device with the SFI ops, two ops (ggml_sfi_top_k, ggml_sfi_sample); else llama.cpp's backend filters and
+    // dist's ops. Outside a backend chain, llama.cpp's samplers on the host. NULL unless temp > 0.
+    LLAMA_API struct llama_sampler * llama_sfi_sampler_init_dist(int32_t top_k, float top_p, float min_p, float temp, uint32_t seed);
 
-    // whether smpl (from llama_sfi_sampler_init_dist) runs in the graph, its filters too: after the llama_set_sampler()
-    // of its chain; if false, detach the chain (the decode would copy no logits)
+    // whether smpl (from llama_sfi_sampler_init_dist) runs in the graph: after the llama_set_sampler() of its chain;
+    // if false, detach the chain (the decode would copy no logits)
     LLAMA_API bool llama_sfi_sampler_dist_on_backend(const struct llama_sampler * smpl);
+
+    // whether smpl (from llama_sfi_sampler_init_dist) runs in the graph as the two SFI ops
+    LLAMA_API bool llama_sfi_sampler_dist_fused(const struct llama_sampler * smpl);
 
     // llama_log_set(callback, user_data) behind a filter that drops messages below min_level (and the lines that
     // continue them) before they reach callback: a callback into an interpreter costs tens of microseconds a

@@ -8,10 +8,13 @@
 
 #include "llama-impl.h"
 
+#include "ggml-sfi.h"
+
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
 
+#include <algorithm>
 #include <random>
 
 struct llama_sfi_greedy {
@@ -68,6 +71,34 @@ static bool llama_sfi_computes(const ggml_tensor * t) {
     }
 }
 
+// the probe graphs' contexts: their ops, on tensors of a vocabulary's size, as the device would get them
+static ggml_context * llama_sfi_probe_init(void) {
+    ggml_init_params params = {
+        /*.mem_size   =*/ 32*ggml_tensor_overhead(),
+        /*.mem_buffer =*/ nullptr,
+        /*.no_alloc   =*/ true,
+    };
+    return ggml_init(params);
+}
+
+static constexpr int64_t LLAMA_SFI_PROBE_VOCAB = 128*1024;
+
+// whether dev runs every node of the probe ctx that runs a kernel; frees ctx. what: the picks, for the warning (where
+// warn: a device that lacks what an alternative provides is no news)
+static bool llama_sfi_device_runs(ggml_backend_dev_t dev, ggml_context * ctx, const char * what, bool warn = true) {
+    bool ok = true;
+    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
+        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
+            if (warn) {
+                LLAMA_LOG_WARN("%s: device '%s' lacks %s: %s on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op), what);
+            }
+            ok = false;
+        }
+    }
+    ggml_free(ctx);
+    return ok;
+}
+
 // whether the output's device runs the pick's ops (those of llama_sfi_greedy_build); what: the sampler, for the warning
 static bool llama_sfi_greedy_ops_supported(ggml_backend_buffer_type_t buft, const char * what) {
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
@@ -75,29 +106,12 @@ static bool llama_sfi_greedy_ops_supported(ggml_backend_buffer_type_t buft, cons
         return true;
     }
 
-    // the ops on a probe graph of a vocabulary's size, as the device would get them
-    ggml_init_params params = {
-        /*.mem_size   =*/ 16*ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    ggml_context * ctx = ggml_init(params);
+    ggml_context * ctx = llama_sfi_probe_init();
+    ggml_tensor * token = nullptr;
+    ggml_tensor * prob  = nullptr;
+    llama_sfi_greedy_build(ctx, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB), &token, &prob);
 
-    ggml_tensor * logits = ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 128*1024);
-    ggml_tensor * token  = nullptr;
-    ggml_tensor * prob   = nullptr;
-    llama_sfi_greedy_build(ctx, logits, &token, &prob);
-
-    bool ok = true;
-    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
-        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
-            LLAMA_LOG_WARN("%s: device '%s' lacks %s: %s on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op), what);
-            ok = false;
-        }
-    }
-    ggml_free(ctx);
-
-    return ok;
+    return llama_sfi_device_runs(dev, ctx, what);
 }
 
 static bool llama_sfi_greedy_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
@@ -144,16 +158,23 @@ bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl) {
 //
 // llama.cpp's dist sampler takes its random number from an input tensor of the graph it was built into, and fills the
 // input of the last graph built; SFI keeps two graphs (a fast step's, and a slow or mixed step's) and runs
-// them again without a rebuild, so that input would often be another graph's. This sampler runs a chain of llama.cpp's
-// filters (top-k, top-p, min-p, temperature: constants in the graph), then dist's ops itself, over a random number in
-// a buffer of its own that every graph reads and that it fills before each decode, drawn from its seed as llama.cpp's
-// dist draws it on the host. It hands out the pick and, in place of the chain's probabilities, the top-1 probability of
-// the raw logits that SFI's trigger reads.
+// them again without a rebuild, so that input would often be another graph's. This sampler draws from a random number
+// in a buffer of its own that every graph reads and that it fills before each decode, drawn from its seed as
+// llama.cpp's dist draws it on the host. Where the output's device has the SFI ops and top-k is on (1 to
+// GGML_SFI_SAMPLE_MAX_K), the whole chain is two of them (ggml_sfi_top_k's candidates, ggml_sfi_sample's pick and the
+// top-1 probability); elsewhere it runs llama.cpp's filters (top-k, top-p, min-p, temperature: constants in the
+// graph, ~35 small ops with a sort of the vocabulary), then dist's ops and the top-1 probability's. It hands out the
+// pick and, in place of the chain's probabilities, the top-1 probability of the raw logits that SFI's trigger reads.
 
 struct llama_sfi_dist {
+    int32_t top_k; // 0: off
+    float   top_p;
+    float   min_p;
+    float   temp;
+    uint32_t seed;
+
     llama_sampler * filters;   // owned: llama.cpp's samplers before dist
     llama_sampler * host_dist; // owned: llama.cpp's dist, for the host path (the sampler outside a backend chain)
-    uint32_t        seed;
     std::mt19937    rng;       // the backend path's draws
 
     // the random number of the next decode: one F32 in a buffer on the output's device
@@ -162,6 +183,7 @@ struct llama_sfi_dist {
     ggml_tensor           * u     = nullptr;
 
     bool on_backend = false; // backend_init found every op on the output's device, the filters' too
+    bool fused      = false; // ... and the graph takes the SFI sampling ops, not the filters'
 
     ~llama_sfi_dist() {
         llama_sampler_free(filters);
@@ -196,9 +218,11 @@ static void llama_sfi_dist_reset(struct llama_sampler * smpl) {
 
 static struct llama_sampler * llama_sfi_dist_clone(const struct llama_sampler * smpl) {
     const auto * sctx = (const llama_sfi_dist *) smpl->ctx;
-    llama_sampler * result = llama_sfi_sampler_init_dist(llama_sampler_clone(sctx->filters), sctx->seed);
+    llama_sampler * result = llama_sfi_sampler_init_dist(sctx->top_k, sctx->top_p, sctx->min_p, sctx->temp, sctx->seed);
     auto * rctx = (llama_sfi_dist *) result->ctx;
+    llama_sampler_free(rctx->filters);
     llama_sampler_free(rctx->host_dist);
+    rctx->filters   = llama_sampler_clone(sctx->filters);
     rctx->host_dist = llama_sampler_clone(sctx->host_dist);
     rctx->rng       = sctx->rng;
     return result;
@@ -238,40 +262,63 @@ static bool llama_sfi_dist_ops_supported(ggml_backend_buffer_type_t buft) {
         return false;
     }
 
-    ggml_init_params params = {
-        /*.mem_size   =*/ 32*ggml_tensor_overhead(),
-        /*.mem_buffer =*/ nullptr,
-        /*.no_alloc   =*/ true,
-    };
-    ggml_context * ctx = ggml_init(params);
-
-    const int64_t n = 128*1024; // as many candidates as a vocabulary, when no filter cuts them
-    llama_sampler_data data = {
-        /*.logits     =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_F32, n),
+    ggml_context * ctx = llama_sfi_probe_init();
+    llama_sampler_data data = { // as many candidates as a vocabulary, when no filter cuts them
+        /*.logits     =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB),
         /*.probs      =*/ nullptr,
         /*.sampled    =*/ nullptr,
-        /*.candidates =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_I32, n),
+        /*.candidates =*/ ggml_new_tensor_1d(ctx, GGML_TYPE_I32, LLAMA_SFI_PROBE_VOCAB),
     };
     llama_sfi_dist_build(ctx, &data, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1));
 
-    bool ok = true;
-    for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
-        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
-            LLAMA_LOG_WARN("%s: device '%s' lacks %s: sampling on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op));
-            ok = false;
-        }
-    }
-    ggml_free(ctx);
+    return llama_sfi_device_runs(dev, ctx, "sampling");
+}
 
-    return ok;
+// the whole chain in two SFI ops: logits [n_vocab] -> the pick (I32 [1]) and the top-1 probability (F32 [1])
+static void llama_sfi_sample_build(ggml_context * ctx, const llama_sfi_dist & p, ggml_tensor * logits, ggml_tensor * u,
+        ggml_tensor ** token, ggml_tensor ** prob) {
+    const int64_t n_vocab = ggml_nelements(logits);
+
+    ggml_tensor * row  = ggml_reshape_2d(ctx, logits, n_vocab, 1);
+    ggml_tensor * cand = ggml_sfi_top_k(ctx, row, (int) std::min<int64_t>(p.top_k, n_vocab));
+    ggml_tensor * res  = ggml_sfi_sample(ctx, row, cand, ggml_reshape_2d(ctx, u, 1, 1), p.top_p, p.min_p, p.temp);
+
+    *token = ggml_cast(ctx, ggml_view_1d(ctx, res, 1, 0), GGML_TYPE_I32);
+    *prob  = ggml_view_1d(ctx, res, 1, sizeof(float));
+
+    ggml_set_name(*token, "sfi_sample_token");
+}
+
+// whether the graph takes the fused sampling: top-k on and in the op's range, and the output's device runs the ops
+static bool llama_sfi_sample_ops_supported(const llama_sfi_dist & p, ggml_backend_buffer_type_t buft) {
+    if (p.top_k < 1 || p.top_k > GGML_SFI_SAMPLE_MAX_K) {
+        return false;
+    }
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
+    if (!dev) {
+        return true;
+    }
+
+    ggml_context * ctx = llama_sfi_probe_init();
+    ggml_tensor * token = nullptr;
+    ggml_tensor * prob  = nullptr;
+    llama_sfi_sample_build(ctx, p, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB),
+            ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1), &token, &prob);
+
+    return llama_sfi_device_runs(dev, ctx, "the SFI sampling ops", /*warn =*/ false); // (llama.cpp's filters then)
 }
 
 static bool llama_sfi_dist_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
     auto * sctx = (llama_sfi_dist *) smpl->ctx;
 
     sctx->on_backend = false;
-    if (n_outputs_max_per_seq != 1 || sctx->buf_u || !llama_sfi_dist_ops_supported(buft)) {
+    sctx->fused      = false;
+    if (n_outputs_max_per_seq != 1 || sctx->buf_u) {
         return false; // (one draw per decode: one output per sequence; one context per sampler)
+    }
+    sctx->fused = llama_sfi_sample_ops_supported(*sctx, buft);
+    if (!sctx->fused && !llama_sfi_dist_ops_supported(buft)) {
+        return false;
     }
 
     ggml_init_params params = {
@@ -288,15 +335,16 @@ static bool llama_sfi_dist_backend_init(struct llama_sampler * smpl, ggml_backen
     }
 
     // (the filters are left uninitialised unless the rest runs in the graph: their host path then applies them all)
-    sctx->on_backend = sctx->filters->iface->backend_init &&
-        sctx->filters->iface->backend_init(sctx->filters, buft, n_outputs_max_per_seq);
+    sctx->on_backend = sctx->fused || (sctx->filters->iface->backend_init &&
+        sctx->filters->iface->backend_init(sctx->filters, buft, n_outputs_max_per_seq));
 
     return sctx->on_backend;
 }
 
 static void llama_sfi_dist_backend_accept(struct llama_sampler * smpl, struct ggml_context * ctx, struct ggml_cgraph * gf, struct ggml_tensor * selected_token) {
-    llama_sampler * filters = ((llama_sfi_dist *) smpl->ctx)->filters;
-    if (filters->iface->backend_accept) {
+    const auto * sctx = (const llama_sfi_dist *) smpl->ctx;
+    llama_sampler * filters = sctx->filters;
+    if (!sctx->fused && filters->iface->backend_accept) {
         filters->iface->backend_accept(filters, ctx, gf, selected_token);
     }
 }
@@ -306,6 +354,16 @@ static void llama_sfi_dist_backend_apply(struct llama_sampler * smpl, struct ggm
 
     ggml_tensor * token = nullptr;
     ggml_tensor * prob  = nullptr;
+
+    if (sctx->fused) {
+        GGML_ASSERT(!data->candidates); // (the chain's first sampler)
+        llama_sfi_sample_build(ctx, *sctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), sctx->u, &token, &prob);
+        data->sampled = token;
+        data->probs   = prob;
+        data->logits  = nullptr;
+        return;
+    }
+
     llama_sfi_greedy_build(ctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), &token, &prob);
 
     sctx->filters->iface->backend_apply(sctx->filters, ctx, gf, data);
@@ -320,7 +378,7 @@ static void llama_sfi_dist_backend_apply(struct llama_sampler * smpl, struct ggm
 static void llama_sfi_dist_backend_set_input(struct llama_sampler * smpl) {
     auto * sctx = (llama_sfi_dist *) smpl->ctx;
 
-    if (sctx->filters->iface->backend_set_input) {
+    if (!sctx->fused && sctx->filters->iface->backend_set_input) {
         sctx->filters->iface->backend_set_input(sctx->filters);
     }
 
@@ -331,8 +389,9 @@ static void llama_sfi_dist_backend_set_input(struct llama_sampler * smpl) {
 }
 
 static void llama_sfi_dist_backend_reset(struct llama_sampler * smpl) {
-    llama_sampler * filters = ((llama_sfi_dist *) smpl->ctx)->filters;
-    if (filters->iface->backend_reset) {
+    const auto * sctx = (const llama_sfi_dist *) smpl->ctx;
+    llama_sampler * filters = sctx->filters;
+    if (!sctx->fused && filters->iface->backend_reset) {
         filters->iface->backend_reset(filters);
     }
 }
@@ -360,13 +419,30 @@ static struct llama_sampler_i llama_sfi_dist_i = {
     /* .copy_state        = */ llama_sfi_dist_copy_state,
 };
 
-struct llama_sampler * llama_sfi_sampler_init_dist(struct llama_sampler * filters, uint32_t seed) {
-    if (!filters) {
+struct llama_sampler * llama_sfi_sampler_init_dist(int32_t top_k, float top_p, float min_p, float temp, uint32_t seed) {
+    if (!(temp > 0.0f)) {
         return nullptr;
     }
-    return llama_sampler_init(&llama_sfi_dist_i, new llama_sfi_dist { filters, llama_sampler_init_dist(seed), seed, std::mt19937(seed) });
+
+    // llama.cpp's samplers in sfi_gguf's order (device_picks.add_filters)
+    llama_sampler * filters = llama_sampler_chain_init(llama_sampler_chain_default_params());
+    if (top_k > 0) {
+        llama_sampler_chain_add(filters, llama_sampler_init_top_k(top_k));
+    }
+    llama_sampler_chain_add(filters, llama_sampler_init_top_p(top_p, 1));
+    if (min_p > 0.0f) {
+        llama_sampler_chain_add(filters, llama_sampler_init_min_p(min_p, 1));
+    }
+    llama_sampler_chain_add(filters, llama_sampler_init_temp(temp));
+
+    return llama_sampler_init(&llama_sfi_dist_i, new llama_sfi_dist {
+        std::max(top_k, 0), top_p, min_p, temp, seed, filters, llama_sampler_init_dist(seed), std::mt19937(seed) });
 }
 
 bool llama_sfi_sampler_dist_on_backend(const struct llama_sampler * smpl) {
     return smpl && smpl->iface == &llama_sfi_dist_i && ((const llama_sfi_dist *) smpl->ctx)->on_backend;
+}
+
+bool llama_sfi_sampler_dist_fused(const struct llama_sampler * smpl) {
+    return llama_sfi_sampler_dist_on_backend(smpl) && ((const llama_sfi_dist *) smpl->ctx)->fused;
 }

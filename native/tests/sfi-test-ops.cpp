@@ -1082,6 +1082,171 @@ static int test_flash_attn_evidence(const std::vector<ggml_backend_t> & backends
     return n_failed;
 }
 
+// ggml_sfi_sample on every backend against its definition, written out here in double: the pick of each row, where
+// no decision of the chain lies within rounding of its threshold (such rows are left out), and the top-1 probability
+struct sample_case {
+    int64_t n_vocab;
+    int64_t n_rows;
+    int     k;
+    float   top_p;
+    float   min_p;
+    float   temp;
+    float   scale;  // logits drawn as scale*N(0, 1)
+    int     levels; // > 0: logits rounded to 1/levels (ties)
+
+    std::string name() const {
+        char buf[160];
+        snprintf(buf, sizeof(buf), "sfi_sample(n_vocab=%lld,rows=%lld,k=%d,top_p=%g,min_p=%g,temp=%g,scale=%g,levels=%d)",
+                (long long) n_vocab, (long long) n_rows, k, top_p, min_p, temp, scale, levels);
+        return buf;
+    }
+};
+
+struct sample_ref_row {
+    int32_t token;
+    double  prob;
+    double  margin; // how near the closest decision came to its threshold
+};
+
+static sample_ref_row sample_ref(const sample_case & tc, const float * x, double u) {
+    sample_ref_row r = { -1, 0.0, INFINITY };
+
+    double max = -INFINITY;
+    for (int64_t i = 0; i < tc.n_vocab; ++i) {
+        max = std::max(max, (double) x[i]);
+    }
+    double sum = 0.0;
+    for (int64_t i = 0; i < tc.n_vocab; ++i) {
+        sum += exp(x[i] - max);
+    }
+    r.prob = 1.0/sum;
+
+    std::vector<int32_t> ids = top_k_ref(x, tc.n_vocab, tc.k);
+    std::sort(ids.begin(), ids.end(), [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); });
+    std::vector<double> c(tc.k);
+    for (int j = 0; j < tc.k; ++j) {
+        c[j] = x[ids[j]];
+    }
+
+    int n = tc.k;
+    if (tc.top_p < 1.0f) {
+        double s = 0.0;
+        for (int i = 0; i < tc.k; ++i) {
+            s += exp(c[i] - c[0]);
+        }
+        double cum = 0.0;
+        for (int i = 0; i < tc.k; ++i) {
+            cum += exp(c[i] - c[0])/s;
+            r.margin = std::min(r.margin, fabs(cum - tc.top_p));
+            if (cum >= tc.top_p) {
+                n = i + 1;
+                break;
+            }
+        }
+    }
+    if (tc.min_p > 0.0f) {
+        const double min_logit = c[0] + log((double) tc.min_p);
+        int i = 1;
+        for (; i < n; ++i) {
+            r.margin = std::min(r.margin, fabs(c[i] - min_logit));
+            if (c[i] < min_logit) {
+                break;
+            }
+        }
+        n = i;
+    }
+    int pick = 0;
+    if (n > 1) {
+        double s = 0.0;
+        for (int i = 0; i < n; ++i) {
+            s += exp((c[i] - c[0])/tc.temp);
+        }
+        double run = 0.0;
+        for (pick = 0; pick < n - 1; ++pick) {
+            run += exp((c[pick] - c[0])/tc.temp);
+            r.margin = std::min(r.margin, fabs(run - s*u)/s);
+            if (run >= s*u) {
+                break;
+            }
+        }
+    }
+    r.token = ids[pick];
+    return r;
+}
+
+static int test_sample(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
+    const std::vector<sample_case> cases = {
+        { 151936,  8,   40, 0.95f, 0.05f, 0.8f, 3.0f, 0 }, // a model's vocabulary, the default sampling
+        { 151936,  3,   40, 1.00f, 0.00f, 1.0f, 2.0f, 0 }, // top-p and min-p off
+        { 151936,  2,    1, 0.95f, 0.05f, 0.8f, 3.0f, 0 }, // top-k 1: the argmax
+        {   5000, 16, 1024, 0.50f, 0.00f, 0.7f, 1.0f, 0 }, // the largest k
+        {   1000, 16, 1000, 0.90f, 0.10f, 1.5f, 4.0f, 0 }, // k = n_vocab
+        {  20000, 16,   50, 0.90f, 0.02f, 1.2f, 3.0f, 2 }, // ties, at the cut too
+        {      7, 16,    3, 0.99f, 0.00f, 0.5f, 1.0f, 0 }, // tiny
+    };
+    std::mt19937 rng(7);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    int n_failed = 0;
+    for (const sample_case & tc : cases) {
+        std::vector<float> x(tc.n_vocab*tc.n_rows);
+        for (float & v : x) {
+            v = tc.scale*normal(rng);
+            v = tc.levels > 0 ? roundf(v*tc.levels)/tc.levels : v;
+        }
+        std::vector<float> u(tc.n_rows);
+        std::vector<int32_t> cand(tc.k*tc.n_rows);
+        std::vector<sample_ref_row> ref(tc.n_rows);
+        for (int64_t r = 0; r < tc.n_rows; ++r) {
+            u[r] = (float) uniform(rng);
+            ref[r] = sample_ref(tc, x.data() + r*tc.n_vocab, u[r]);
+            std::vector<int32_t> ids = top_k_ref(x.data() + r*tc.n_vocab, tc.n_vocab, tc.k);
+            std::shuffle(ids.begin(), ids.end(), rng); // the op takes its candidates in any order
+            std::copy(ids.begin(), ids.end(), cand.begin() + r*tc.k);
+        }
+        for (ggml_backend_t backend : backends) {
+            ggml_init_params ip = { ggml_tensor_overhead()*8 + ggml_graph_overhead(), nullptr, true };
+            ggml_context * ctx = ggml_init(ip);
+            ggml_tensor * tl  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, tc.n_vocab, tc.n_rows);
+            ggml_tensor * tk  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, tc.k, tc.n_rows);
+            ggml_tensor * tu  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, tc.n_rows);
+            ggml_tensor * out = ggml_sfi_sample(ctx, tl, tk, tu, tc.top_p, tc.min_p, tc.temp);
+            if (!ggml_backend_supports_op(backend, out)) {
+                if (verbose) {
+                    printf("skip %s on %s: not supported\n", tc.name().c_str(), ggml_backend_name(backend));
+                }
+                ggml_free(ctx);
+                continue;
+            }
+            ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
+            ggml_backend_tensor_set(tl, x.data(), 0, ggml_nbytes(tl));
+            ggml_backend_tensor_set(tk, cand.data(), 0, ggml_nbytes(tk));
+            ggml_backend_tensor_set(tu, u.data(), 0, ggml_nbytes(tu));
+            const std::vector<float> got = compute_and_get<float>(backend, ctx, out);
+            ggml_backend_buffer_free(buf);
+            ggml_free(ctx);
+
+            bool ok = true;
+            int n_checked = 0;
+            for (int64_t r = 0; r < tc.n_rows; ++r) {
+                ok = ok && fabs(got[2*r + 1] - ref[r].prob) <= 1e-5*ref[r].prob;
+                if (ref[r].margin > 1e-5) {
+                    ok = ok && got[2*r] == (float) ref[r].token;
+                    n_checked++;
+                }
+            }
+            ok = ok && n_checked > 0;
+            (*n_run)++;
+            n_failed += !ok;
+            if (!ok || verbose) {
+                printf("%s %s on %s: %d of %lld rows' picks checked\n", ok ? "ok  " : "FAIL", tc.name().c_str(),
+                        ggml_backend_name(backend), n_checked, (long long) tc.n_rows);
+            }
+        }
+    }
+    return n_failed;
+}
+
 int main(int argc, char ** argv) {
     if (argc > 1 && strcmp(argv[1], "perf") == 0) {
         ggml_time_init();
@@ -1232,6 +1397,7 @@ int main(int argc, char ** argv) {
     n_failed += test_copy_rows(backends, verbose, &n_run);
     n_failed += test_flash_attn_evidence(backends, cpu, verbose, &n_run);
     n_failed += test_selector_scores(backends, cpu, verbose, &n_run);
+    n_failed += test_sample(backends, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

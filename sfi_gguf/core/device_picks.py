@@ -7,11 +7,12 @@ sequence adds the pick to the graph and the decode copies two numbers:
 
 - greedy: the argmax and its probability (`llama_sfi_sampler_init_greedy`, native/src/llama-sfi-sampler.cpp), the
   same token as the host's argmax up to exact ties;
-- sampling: llama.cpp's top-k, top-p, min-p and temperature samplers (`add_filters`), then dist's pick with
-  the request's seed and the top-1 probability of the raw logits (`llama_sfi_sampler_init_dist`: its random number
-  in a buffer every graph reads, as SFI keeps several graphs). The same seed gives the same tokens from run to run,
-  and the host chain's tokens for that seed up to rounding (docs/python-api.md, "Sampling": the two sum the
-  probabilities in another order).
+- sampling: the pick of llama.cpp's top-k, top-p, min-p, temperature and dist samplers with the request's seed, and
+  the top-1 probability of the raw logits (`llama_sfi_sampler_init_dist`: its random number in a buffer every graph
+  reads, as SFI keeps several graphs). With top-k on, two SFI ops (the top-k candidates, then the whole chain's
+  arithmetic over them in one kernel: `ggml_sfi_sample`); without, llama.cpp's backend samplers (~35 small ops, a
+  sort of the vocabulary among them). The same seed gives the same tokens from run to run, and the host chain's
+  tokens for that seed up to rounding (docs/python-api.md, "Sampling").
 """
 from __future__ import annotations
 
@@ -27,18 +28,21 @@ _greedy_on_backend = lib.llama_sfi_sampler_greedy_on_backend
 _greedy_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
 _greedy_on_backend.restype = ctypes.c_bool
 _init_dist = lib.llama_sfi_sampler_init_dist
-_init_dist.argtypes = [llama_cpp.llama_sampler_p_ctypes, ctypes.c_uint32]
+_init_dist.argtypes = [ctypes.c_int32, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_uint32]
 _init_dist.restype = llama_cpp.llama_sampler_p_ctypes
 _dist_on_backend = lib.llama_sfi_sampler_dist_on_backend
 _dist_on_backend.argtypes = [llama_cpp.llama_sampler_p_ctypes]
 _dist_on_backend.restype = ctypes.c_bool
+_dist_fused = lib.llama_sfi_sampler_dist_fused
+_dist_fused.argtypes = [llama_cpp.llama_sampler_p_ctypes]
+_dist_fused.restype = ctypes.c_bool
 
 
 @dataclass(frozen=True)
 class DeviceChain:
     """The picks a decode's graph makes in place of the host chain (`Sampler.device_chain`): temperature 0 is the
-    greedy pick, else llama.cpp's top-k, top-p, min-p and temperature samplers as `add_filters` orders them, then
-    dist's pick with the seed."""
+    greedy pick, else that of llama.cpp's top-k, top-p, min-p, temperature and dist samplers with the seed, in the
+    host chain's order (`sampling.add_filters`)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -49,20 +53,6 @@ class DeviceChain:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
-
-
-def add_filters(add, params) -> None:
-    """`add` (a chain's llama_sampler_chain_add) llama-cpp-python's samplers that come before dist, in its order:
-    top-k, typical, top-p, min-p, temperature (params: SamplingParams or DeviceChain; those they turn off left out).
-    The host chain (`sampling.Sampler`) and the graph's both."""
-    if params.top_k > 0:
-        add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
-    if getattr(params, "typical_p", 1.0) < 1.0:
-        add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
-    add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
-    if params.min_p > 0.0:
-        add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
-    add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
 
 
 GREEDY = DeviceChain()
@@ -85,6 +75,7 @@ class DevicePicks:
         self.seq = seq
         self._chain = None
         self.picks: DeviceChain | None = None  # what the attached chain picks
+        self.fused = False  # ... as the SFI sampling ops (top-k on, a device with them), not llama.cpp's samplers
 
     def attach(self, picks: DeviceChain = GREEDY) -> bool:
         """Attach a chain making `picks`; False (nothing attached) where the output's device cannot run its ops."""
@@ -97,14 +88,13 @@ class DevicePicks:
             pick = _init_greedy()
             on_backend = _greedy_on_backend
         else:
-            filters = _new_chain()
-            add_filters(lambda s: llama_cpp.llama_sampler_chain_add(filters, s), picks)
-            pick = _init_dist(filters, picks.seed)  # (owns the filters)
+            pick = _init_dist(picks.top_k, picks.top_p, picks.min_p, picks.temperature, picks.seed)
             on_backend = _dist_on_backend
         llama_cpp.llama_sampler_chain_add(chain, pick)  # the chain owns it
         if llama_cpp.llama_set_sampler(self.ctx, self.seq, chain) and on_backend(pick):
             self._chain = chain
             self.picks = picks
+            self.fused = not picks.greedy and _dist_fused(pick)
             return True
         llama_cpp.llama_set_sampler(self.ctx, self.seq, None)
         llama_cpp.llama_sampler_free(chain)
@@ -116,6 +106,7 @@ class DevicePicks:
             llama_cpp.llama_sampler_free(self._chain)
             self._chain = None
             self.picks = None
+            self.fused = False
 
     def token(self, index: int) -> int:
         """The pick of output row `index` of the last decode."""

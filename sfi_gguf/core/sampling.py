@@ -13,10 +13,24 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .library import llama_cpp
-from .device_picks import DeviceChain, add_filters
+from .device_picks import DeviceChain
 
 if TYPE_CHECKING:
     from .context import LlamaContext
+
+
+def add_filters(add, params) -> None:
+    """`add` (a chain's llama_sampler_chain_add) llama-cpp-python's samplers that come before dist, in its order:
+    top-k, typical, top-p, min-p, temperature (params: SamplingParams; those they turn off left out). The graph's
+    picks (`llama_sfi_sampler_init_dist`, native/src/llama-sfi-sampler.cpp) take the same samplers in this order."""
+    if params.top_k > 0:
+        add(llama_cpp.llama_sampler_init_top_k(int(params.top_k)))
+    if params.typical_p < 1.0:
+        add(llama_cpp.llama_sampler_init_typical(float(params.typical_p), 1))
+    add(llama_cpp.llama_sampler_init_top_p(float(params.top_p), 1))
+    if params.min_p > 0.0:
+        add(llama_cpp.llama_sampler_init_min_p(float(params.min_p), 1))
+    add(llama_cpp.llama_sampler_init_temp(float(params.temperature)))
 
 
 @dataclass(frozen=True)

@@ -171,6 +171,32 @@ extern "C" {
             struct ggml_tensor  * cells,
             struct ggml_sfi_selector_params params);
 
+    // A token sampled from each row of logits, as llama.cpp's host samplers top-k, top-p (min_keep 1), min-p (min_keep
+    // 1), temperature and dist pick it, with the top-1 probability of the row's softmax (what SFI's trigger reads): with
+    // ggml_sfi_top_k's candidates, two ops in place of those samplers' ~40 small ones in a graph (a sort of the
+    // vocabulary among them). Over the candidates c, sorted largest logit first (equal logits: the smaller id first):
+    //   top-p  (top_p < 1): the first n of c whose probabilities under softmax(c) sum to >= top_p
+    //   min-p  (min_p > 0): of those, the ones with logit >= c_0 + log(min_p)
+    //   dist:  the first of the kept logits, divided by temp, whose running sum of exp(l/temp - c_0/temp) reaches u
+    //          times their sum (ggml_sfi_sample_pick in ggml-sfi-sample.h writes it out)
+    //
+    // logits: F32 [n_vocab, n_rows], rows contiguous, no NaN
+    // cand:   I32 [k, n_rows] contiguous: the ids of the row's k largest logits in any order (ggml_sfi_top_k), k >= 1
+    //         (CUDA: k <= GGML_SFI_SAMPLE_MAX_K)
+    // u:      F32 [1, n_rows]: a uniform draw in [0, 1) per row
+    // res:    F32 [2, n_rows]: the token id (an integer, exact in F32) and 1/sum_v exp(logit_v - max_v logit_v)
+    // temp > 0
+#define GGML_SFI_SAMPLE_MAX_K 1024
+
+    GGML_API struct ggml_tensor * ggml_sfi_sample(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * logits,
+            struct ggml_tensor  * cand,
+            struct ggml_tensor  * u,
+            float                 top_p,
+            float                 min_p,
+            float                 temp);
+
 #ifdef  __cplusplus
 }
 #endif

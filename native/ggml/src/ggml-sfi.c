@@ -246,3 +246,33 @@ struct ggml_tensor * ggml_sfi_selector_scores(
 
     return result;
 }
+
+struct ggml_tensor * ggml_sfi_sample(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits,
+        struct ggml_tensor  * cand,
+        struct ggml_tensor  * u,
+        float                 top_p,
+        float                 min_p,
+        float                 temp) {
+    const int64_t n_rows = logits->ne[1];
+
+    GGML_ASSERT(logits->type == GGML_TYPE_F32 && cand->type == GGML_TYPE_I32 && u->type == GGML_TYPE_F32);
+    GGML_ASSERT(logits->nb[0] == sizeof(float) && logits->ne[2] == 1 && logits->ne[3] == 1);
+    GGML_ASSERT(ggml_is_contiguous(cand) && cand->ne[0] >= 1 && cand->ne[0] <= logits->ne[0] && cand->ne[1] == n_rows);
+    GGML_ASSERT(cand->ne[2] == 1 && cand->ne[3] == 1);
+    GGML_ASSERT(u->ne[0] == 1 && u->ne[1] == n_rows && u->ne[2] == 1 && u->ne[3] == 1);
+    GGML_ASSERT(temp > 0.0f);
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 2, n_rows);
+
+    const float params[3] = { top_p, min_p, temp };
+    ggml_set_op_params(result, params, sizeof(params));
+
+    result->op     = GGML_OP_SFI_SAMPLE;
+    result->src[0] = logits;
+    result->src[1] = cand;
+    result->src[2] = u;
+
+    return result;
+}

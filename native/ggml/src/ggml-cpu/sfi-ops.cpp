@@ -3,6 +3,7 @@
 #include "sfi-ops.h"
 
 #include "ggml-sfi.h"
+#include "../ggml-sfi-sample.h"
 
 #include "ggml-cpu.h"
 #include "ggml-cpu-impl.h"
@@ -971,5 +972,49 @@ void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml
 
         memcpy((char *) dst->data + sl[i]*dst->nb[1] + j*dst->nb[2] + l*dst->nb[3],
                (const char *) src->data + c*src->nb[1] + j*src->nb[2] + l*src->nb[3], row);
+    }
+}
+
+// rows split over the threads; per row the softmax's sum, then the candidates sorted and the pick
+void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_tensor * dst) {
+    const ggml_tensor * logits = dst->src[0];
+    const ggml_tensor * cand   = dst->src[1];
+    const ggml_tensor * u      = dst->src[2];
+
+    const float top_p = ggml_get_op_params_f32(dst, 0);
+    const float min_p = ggml_get_op_params_f32(dst, 1);
+    const float temp  = ggml_get_op_params_f32(dst, 2);
+
+    const int64_t n_vocab = logits->ne[0];
+    const int     k       = (int) cand->ne[0];
+
+    std::vector<int32_t> ids(k);
+    std::vector<float>   c(k);
+
+    for (int64_t r = params->ith; r < logits->ne[1]; r += params->nth) {
+        const float * x = (const float *) ((const char *) logits->data + r*logits->nb[1]);
+
+        float max = -INFINITY;
+        for (int64_t i = 0; i < n_vocab; ++i) {
+            max = std::max(max, x[i]);
+        }
+        double sum = 0.0;
+        for (int64_t i = 0; i < n_vocab; ++i) {
+            sum += expf(x[i] - max);
+        }
+
+        memcpy(ids.data(), (const char *) cand->data + r*cand->nb[1], k*sizeof(int32_t));
+        for (int j = 0; j < k; ++j) {
+            GGML_ASSERT(ids[j] >= 0 && ids[j] < n_vocab);
+        }
+        std::sort(ids.begin(), ids.end(), [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); });
+        for (int j = 0; j < k; ++j) {
+            c[j] = x[ids[j]];
+        }
+        const float ur = *(const float *) ((const char *) u->data + r*u->nb[1]);
+
+        float * out = (float *) ((char *) dst->data + r*dst->nb[1]);
+        out[0] = (float) ids[ggml_sfi_sample_pick(c.data(), k, top_p, min_p, temp, ur)];
+        out[1] = (float) (1.0/sum);
     }
 }

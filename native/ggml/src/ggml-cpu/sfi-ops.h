@@ -22,6 +22,7 @@ void ggml_compute_forward_sfi_candidate_values(const struct ggml_compute_params 
 void ggml_compute_forward_sfi_copy_rows       (const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_compute_forward_sfi_flash_attn_evidence(const struct ggml_compute_params * params, struct ggml_tensor * dst);
 void ggml_compute_forward_sfi_selector_scores   (const struct ggml_compute_params * params, struct ggml_tensor * dst);
+void ggml_compute_forward_sfi_sample            (const struct ggml_compute_params * params, struct ggml_tensor * dst);
 
 #ifdef __cplusplus
 }
