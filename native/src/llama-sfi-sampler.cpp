@@ -289,9 +289,10 @@ static void llama_sfi_sample_build(ggml_context * ctx, const llama_sfi_dist & p,
     ggml_set_name(*token, "sfi_sample_token");
 }
 
-// whether the graph takes the fused sampling: top-k on and in the op's range, and the output's device runs the ops
+// whether the graph takes the fused sampling: the SFI ops on (LLAMA_SFI_FUSED), top-k on and in the op's range, and
+// the output's device runs the ops
 static bool llama_sfi_sample_ops_supported(const llama_sfi_dist & p, ggml_backend_buffer_type_t buft) {
-    if (p.top_k < 1 || p.top_k > GGML_SFI_SAMPLE_MAX_K) {
+    if (!llama_sfi_default_params().fused_ops || p.top_k < 1 || p.top_k > GGML_SFI_SAMPLE_MAX_K) {
         return false;
     }
     ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
