@@ -125,8 +125,8 @@ SUITES = {
         }),
     "long": Suite(
         description="answers spanning many refreshes (multi-fact, chain, reasoning, answer agreement) at 8K, 16K "
-                    "and 32K on one shared document per case (the 1.5B model at 8K and 16K, Gemma 3 270M's answer "
-                    "agreement at 8K and 16K), k_head 2048 and "
+                    "and 32K on one shared document per case (the 1.5B model too, Gemma 3 270M's answer agreement at "
+                    "8K and 16K), k_head 2048 and "
                     "12.5% of the context, the default trigger against the paper's cadence and a fixed period "
                     "of 16; hours on 2 CPU cores (run it in the background: it resumes; --model, --cases and "
                     "--context give a subset first)",
@@ -135,7 +135,7 @@ SUITES = {
             "qwen2.5-coder-0.5b-instruct": {
                 m.TASK: TaskPlan(contexts=(8192, 16384, 32768), n_cases=6, budgets=(2048, 0.125)) for m in LONG_TASKS},
             "qwen2.5-coder-1.5b-instruct": {
-                m.TASK: TaskPlan(contexts=(8192, 16384), n_cases=6, budgets=(2048, 0.125)) for m in LONG_TASKS},
+                m.TASK: TaskPlan(contexts=(8192, 16384, 32768), n_cases=6, budgets=(2048, 0.125)) for m in LONG_TASKS},
             # a model with sliding-window layers (SFI covers its global ones): answer agreement
             "gemma3-270m": {"agreement": TaskPlan(contexts=(8192, 16384), n_cases=6, budgets=(2048, 0.125))},
         }),
