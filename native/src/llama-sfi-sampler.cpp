@@ -83,12 +83,14 @@ static ggml_context * llama_sfi_probe_init(void) {
 
 static constexpr int64_t LLAMA_SFI_PROBE_VOCAB = 128*1024;
 
-// whether dev runs every node of the probe ctx that runs a kernel; frees ctx. what: the picks, for the warning (where
-// warn: a device that lacks what an alternative provides is no news)
-static bool llama_sfi_device_runs(ggml_backend_dev_t dev, ggml_context * ctx, const char * what, bool warn = true) {
+// whether the device of buft (none: the host, which runs everything) runs every node of the probe ctx that runs a
+// kernel; frees ctx. what: the picks, for the warning (where warn: a device that lacks what an alternative provides
+// is no news)
+static bool llama_sfi_device_runs(ggml_backend_buffer_type_t buft, ggml_context * ctx, const char * what, bool warn = true) {
+    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
     bool ok = true;
     for (ggml_tensor * t = ggml_get_first_tensor(ctx); t; t = ggml_get_next_tensor(ctx, t)) {
-        if (llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
+        if (dev && llama_sfi_computes(t) && !ggml_backend_dev_supports_op(dev, t)) {
             if (warn) {
                 LLAMA_LOG_WARN("%s: device '%s' lacks %s: %s on the host\n", __func__, ggml_backend_dev_name(dev), ggml_op_name(t->op), what);
             }
@@ -101,17 +103,12 @@ static bool llama_sfi_device_runs(ggml_backend_dev_t dev, ggml_context * ctx, co
 
 // whether the output's device runs the pick's ops (those of llama_sfi_greedy_build); what: the sampler, for the warning
 static bool llama_sfi_greedy_ops_supported(ggml_backend_buffer_type_t buft, const char * what) {
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    if (!dev) {
-        return true;
-    }
-
     ggml_context * ctx = llama_sfi_probe_init();
     ggml_tensor * token = nullptr;
     ggml_tensor * prob  = nullptr;
     llama_sfi_greedy_build(ctx, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB), &token, &prob);
 
-    return llama_sfi_device_runs(dev, ctx, what);
+    return llama_sfi_device_runs(buft, ctx, what);
 }
 
 static bool llama_sfi_greedy_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
@@ -254,10 +251,6 @@ static ggml_tensor * llama_sfi_dist_build(ggml_context * ctx, const llama_sample
 
 // whether the output's device runs the top-1 probability's and dist's ops (the filters answer for theirs)
 static bool llama_sfi_dist_ops_supported(ggml_backend_buffer_type_t buft) {
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    if (!dev) {
-        return true;
-    }
     if (!llama_sfi_greedy_ops_supported(buft, "sampling")) {
         return false;
     }
@@ -271,7 +264,7 @@ static bool llama_sfi_dist_ops_supported(ggml_backend_buffer_type_t buft) {
     };
     llama_sfi_dist_build(ctx, &data, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1));
 
-    return llama_sfi_device_runs(dev, ctx, "sampling");
+    return llama_sfi_device_runs(buft, ctx, "sampling");
 }
 
 // the whole chain in two SFI ops: logits [n_vocab] -> the pick (I32 [1]) and the top-1 probability (F32 [1])
@@ -295,10 +288,6 @@ static bool llama_sfi_sample_ops_supported(const llama_sfi_dist & p, ggml_backen
     if (!llama_sfi_default_params().fused_ops || p.top_k < 1 || p.top_k > GGML_SFI_SAMPLE_MAX_K) {
         return false;
     }
-    ggml_backend_dev_t dev = ggml_backend_buft_get_device(buft);
-    if (!dev) {
-        return true;
-    }
 
     ggml_context * ctx = llama_sfi_probe_init();
     ggml_tensor * token = nullptr;
@@ -306,7 +295,7 @@ static bool llama_sfi_sample_ops_supported(const llama_sfi_dist & p, ggml_backen
     llama_sfi_sample_build(ctx, p, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB),
             ggml_new_tensor_1d(ctx, GGML_TYPE_F32, 1), &token, &prob);
 
-    return llama_sfi_device_runs(dev, ctx, "the SFI sampling ops", /*warn =*/ false); // (llama.cpp's filters then)
+    return llama_sfi_device_runs(buft, ctx, "the SFI sampling ops", /*warn =*/ false); // (llama.cpp's filters then)
 }
 
 static bool llama_sfi_dist_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t n_outputs_max_per_seq) {
