@@ -13,7 +13,7 @@
 #   op-tests (the SFI ggml ops against their CPU definition, then timed: SFI_PERF_NKV cells, SFI_PERF_STREAMS streams, e.g. "1 4"),
 #   trace (a CUPTI kernel trace of refresh cycles cut into steps: SFI_TRACE_CTX, SFI_TRACE_TAIL; needs .gpu/cupti),
 #   selector-tests (the device Selector against numpy), greedy-tests (greedy picks in the graph against the host's), batched-tests, batched-bench (sequences x depth from $SFI_BATCHES, e.g. "16:32768 4:131072"),
-#   sampling-tests (sampling in the graph against the host chain), sampling-bench (SFI and dense with each step's pick
+#   sampling-tests (the SFI sampling op's kernel, then sampling in the graph against the host chain), sampling-bench (SFI and dense with each step's pick
 #   greedy, default sampling in the graph, or on the host: $SFI_SAMPLINGS, default "greedy default host"; single at
 #   $SFI_BENCH_DEPTHS, default 32768 131072, and batched $SFI_SAMPLING_BATCHES, default 4:32768),
 #   serve-load (benchmarks/serve_load.py: sfi-gguf serve --parallel 8, SFI against --dense, the openai client from
@@ -106,6 +106,9 @@ if [[ " $stages " == *" greedy-tests "* ]]; then
         2>&1 | tee "$OUT/gpu-greedy-tests.log" | tail -5
 fi
 if [[ " $stages " == *" sampling-tests "* ]]; then
+    log "the SFI sampling op's kernel against its definition"
+    "$(python3 -c "from sfi_gguf.core.library import find_lib_dir; print(find_lib_dir())")/sfi-test-ops" -v 2>&1 \
+        | grep -E "sfi_sample|FAIL|runs" | tee "$OUT/gpu-sample-op-tests.log"
     log "sampling in the graph on the GPU against the host chain (tokens per seed, top-1 probabilities, batches)"
     SFI_TEST_NGL=99 python3 -m pytest -q -p no:cacheprovider -m "not real_model" tests/test_device_sampling.py \
         2>&1 | tee "$OUT/gpu-sampling-tests.log" | tail -5
