@@ -3,8 +3,9 @@ native/src/llama-sfi-sampler.cpp): llama.cpp's top-k, top-p, min-p, temperature 
 seed, and the model's top-1 probability for SFI's trigger.
 
 The same seed gives the same tokens from run to run, and here (the CPU, top-k 40: the SFI sampling ops) the host
-chain's tokens for that seed; the top-1 probabilities are the host softmax's; requests whose logits something else reads or changes keep the host
-chain; generations, single and batched, pick every token in the graph with the host's tokens and slow steps.
+chain's tokens for that seed; the top-1 probabilities are the host softmax's; requests whose logits something else
+reads or changes keep the host chain; generations, single and batched, pick every token in the graph with the host's
+tokens and slow steps.
 """
 import os
 

@@ -217,9 +217,7 @@ static struct llama_sampler * llama_sfi_dist_clone(const struct llama_sampler * 
     const auto * sctx = (const llama_sfi_dist *) smpl->ctx;
     llama_sampler * result = llama_sfi_sampler_init_dist(sctx->top_k, sctx->top_p, sctx->min_p, sctx->temp, sctx->seed);
     auto * rctx = (llama_sfi_dist *) result->ctx;
-    llama_sampler_free(rctx->filters);
-    llama_sampler_free(rctx->host_dist);
-    rctx->filters   = llama_sampler_clone(sctx->filters);
+    llama_sampler_free(rctx->host_dist); // (the filters hold no state: the new ones are these)
     rctx->host_dist = llama_sampler_clone(sctx->host_dist);
     rctx->rng       = sctx->rng;
     return result;
@@ -342,19 +340,20 @@ static void llama_sfi_dist_backend_accept(struct llama_sampler * smpl, struct gg
 static void llama_sfi_dist_backend_apply(struct llama_sampler * smpl, struct ggml_context * ctx, struct ggml_cgraph * gf, struct llama_sampler_data * data) {
     auto * sctx = (llama_sfi_dist *) smpl->ctx;
 
-    ggml_tensor * token = nullptr;
-    ggml_tensor * prob  = nullptr;
+    ggml_tensor * logits = ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits));
+    ggml_tensor * token  = nullptr;
+    ggml_tensor * prob   = nullptr;
 
     if (sctx->fused) {
         GGML_ASSERT(!data->candidates); // (the chain's first sampler)
-        llama_sfi_sample_build(ctx, *sctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), sctx->u, &token, &prob);
+        llama_sfi_sample_build(ctx, *sctx, logits, sctx->u, &token, &prob);
         data->sampled = token;
         data->probs   = prob;
         data->logits  = nullptr;
         return;
     }
 
-    llama_sfi_greedy_build(ctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), &token, &prob);
+    llama_sfi_greedy_build(ctx, logits, &token, &prob);
 
     sctx->filters->iface->backend_apply(sctx->filters, ctx, gf, data);
 
@@ -414,7 +413,7 @@ struct llama_sampler * llama_sfi_sampler_init_dist(int32_t top_k, float top_p, f
         return nullptr;
     }
 
-    // llama.cpp's samplers in sfi_gguf's order (device_picks.add_filters)
+    // llama.cpp's samplers in the host chain's order (sfi_gguf/core/sampling.py, add_filters)
     llama_sampler * filters = llama_sampler_chain_init(llama_sampler_chain_default_params());
     if (top_k > 0) {
         llama_sampler_chain_add(filters, llama_sampler_init_top_k(top_k));

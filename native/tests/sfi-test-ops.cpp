@@ -1174,7 +1174,7 @@ static sample_ref_row sample_ref(const sample_case & tc, const float * x, double
     return r;
 }
 
-static int test_sample(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
+static int test_sample(const std::vector<ggml_backend_t> & backends, ggml_backend_t cpu, bool verbose, int * n_run) {
     const std::vector<sample_case> cases = {
         { 151936,  8,   40, 0.95f, 0.05f, 0.8f, 3.0f, 0 }, // a model's vocabulary, the default sampling
         { 151936,  3,   40, 1.00f, 0.00f, 1.0f, 2.0f, 0 }, // top-p and min-p off
@@ -1212,9 +1212,7 @@ static int test_sample(const std::vector<ggml_backend_t> & backends, bool verbos
             ggml_tensor * tu  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, tc.n_rows);
             ggml_tensor * out = ggml_sfi_sample(ctx, tl, tk, tu, tc.top_p, tc.min_p, tc.temp);
             if (!ggml_backend_supports_op(backend, out)) {
-                if (verbose) {
-                    printf("skip %s on %s: not supported\n", tc.name().c_str(), ggml_backend_name(backend));
-                }
+                n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 ggml_free(ctx);
                 continue;
             }
@@ -1397,7 +1395,7 @@ int main(int argc, char ** argv) {
     n_failed += test_copy_rows(backends, verbose, &n_run);
     n_failed += test_flash_attn_evidence(backends, cpu, verbose, &n_run);
     n_failed += test_selector_scores(backends, cpu, verbose, &n_run);
-    n_failed += test_sample(backends, verbose, &n_run);
+    n_failed += test_sample(backends, cpu, verbose, &n_run);
 
     printf("sfi-test-ops: %d runs, %d failed\n", n_run, n_failed);
 

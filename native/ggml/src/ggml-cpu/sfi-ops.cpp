@@ -995,9 +995,7 @@ void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_te
         const float * x = (const float *) ((const char *) logits->data + r*logits->nb[1]);
 
         float max = -INFINITY;
-        for (int64_t i = 0; i < n_vocab; ++i) {
-            max = std::max(max, x[i]);
-        }
+        ggml_vec_max_f32((int) n_vocab, &max, x);
         double sum = 0.0;
         for (int64_t i = 0; i < n_vocab; ++i) {
             sum += expf(x[i] - max);

@@ -13,6 +13,22 @@ static constexpr int    SFI_WARP_BLOCK_THREADS = 128; // the warp kernels: 4 war
 static constexpr int    SFI_EVIDENCE_THREADS   = 256; // sfi_evidence_sum
 static constexpr size_t SFI_SCORES_MAX_BYTES   = 256u << 20; // the scores of a chunk of (head, batch) pairs
 
+// a running softmax's (max m, sum s of exp(x - m)): x added (-INFINITY: nothing), and two such parts merged
+static __device__ __forceinline__ void sfi_online_add(float & m, float & s, const float x) {
+    if (x > m) {
+        s = s*expf(m - x) + 1.0f;
+        m = x;
+    } else if (x != -INFINITY) {
+        s += expf(x - m);
+    }
+}
+
+static __device__ __forceinline__ void sfi_online_merge(float & m, float & s, const float m2, const float s2) {
+    const float mx = fmaxf(m, m2);
+    s = (m == -INFINITY ? 0.0f : s*expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2*expf(m2 - mx));
+    m = mx;
+}
+
 template <typename T>
 static __device__ __forceinline__ float sfi_to_float(T x);
 template <> __device__ __forceinline__ float sfi_to_float<half>(half x)   { return __half2float(x); }

@@ -263,12 +263,7 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
         // the lane's score (-INFINITY: none) into its row's running max and sum
         const float s = sfi_warp_cell_scores<TM, TK, E, NQ, CPI>(qr, qd, kh, c0, n_kv, n_q, softcap, m_base, nbm0, nbm1, n_rows,
                 s_out, kn, b, h, n_head_kv, lane);
-        if (s > run_max) {
-            run_sum = run_sum*expf(run_max - s) + 1.0f;
-            run_max = s;
-        } else if (s != -INFINITY) {
-            run_sum += expf(s - run_max);
-        }
+        sfi_online_add(run_max, run_sum, s);
     }
 
     // the block's (max, sum) per row: first over the lanes of a row (lanes l = row mod NQ), then over the warps
@@ -276,9 +271,7 @@ static __global__ void __launch_bounds__(SFI_WARP_BLOCK_THREADS) sfi_evidence_sc
     for (int o = NQ; o < WARP_SIZE; o <<= 1) {
         const float m2 = __shfl_xor_sync(0xffffffff, run_max, o);
         const float s2 = __shfl_xor_sync(0xffffffff, run_sum, o);
-        const float m  = fmaxf(run_max, m2);
-        run_sum = (run_max == -INFINITY ? 0.0f : run_sum*expf(run_max - m)) + (m2 == -INFINITY ? 0.0f : s2*expf(m2 - m));
-        run_max = m;
+        sfi_online_merge(run_max, run_sum, m2, s2);
     }
 
     __shared__ float2 part_s[N_WARPS][NQ];

@@ -4,22 +4,13 @@
 
 #include "sfi-sample.cuh"
 
-#include "ggml-sfi.h"
+#include "sfi-common.cuh"
+
 #include "../ggml-sfi-sample.h"
 
 #include <climits>
 
 static constexpr int SFI_SAMPLE_THREADS = 1024;
-
-// (max, sum of exp(x - max)) of two parts
-static __device__ __forceinline__ void sfi_sample_combine(float & m, float & s, const float m2, const float s2) {
-    const float mx = fmaxf(m, m2);
-    if (mx == -INFINITY) {
-        return; // (both empty)
-    }
-    s = (m == -INFINITY ? 0.0f : s*expf(m - mx)) + (m2 == -INFINITY ? 0.0f : s2*expf(m2 - mx));
-    m = mx;
-}
 
 // whether candidate a comes before candidate b: the larger logit, then the smaller id
 static __device__ __forceinline__ bool sfi_sample_before(const float va, const int ia, const float vb, const int ib) {
@@ -46,19 +37,13 @@ static __global__ void __launch_bounds__(SFI_SAMPLE_THREADS) sfi_sample_kernel(
     float m = -INFINITY;
     float s = 0.0f;
     for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-        const float v = x[i];
-        if (v > m) {
-            s = (m == -INFINITY ? 0.0f : s*expf(m - v)) + 1.0f;
-            m = v;
-        } else if (v != -INFINITY) {
-            s += expf(v - m);
-        }
+        sfi_online_add(m, s, x[i]);
     }
 #pragma unroll
     for (int off = WARP_SIZE/2; off > 0; off >>= 1) {
         const float m2 = __shfl_xor_sync(0xffffffff, m, off);
         const float s2 = __shfl_xor_sync(0xffffffff, s, off);
-        sfi_sample_combine(m, s, m2, s2);
+        sfi_online_merge(m, s, m2, s2);
     }
     if (lane == 0) {
         w_max[warp] = m;
@@ -95,7 +80,7 @@ static __global__ void __launch_bounds__(SFI_SAMPLE_THREADS) sfi_sample_kernel(
         float mt = -INFINITY;
         float st = 0.0f;
         for (int w = 0; w < (int) (blockDim.x/WARP_SIZE); ++w) {
-            sfi_sample_combine(mt, st, w_max[w], w_sum[w]);
+            sfi_online_merge(mt, st, w_max[w], w_sum[w]);
         }
         const int pick = ggml_sfi_sample_pick(c_val, k, top_p, min_p, temp, u[row*s_u]);
         dst[2*row + 0] = (float) c_id[pick];
