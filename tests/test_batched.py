@@ -125,6 +125,19 @@ def test_single_generate_still_works_after_a_batch(llm, prompts):
     assert first.tokens == again.tokens
 
 
+def test_a_model_of_one_sequence_decodes_a_batch_as_generate_does(prompts):
+    """generate_batch with n_parallel=1: the prompts take turns in the one sequence, with slow steps."""
+    one = SFILlama(str(random_model("tiny-llama")), n_ctx=1024, n_threads=1)
+    try:
+        batch = _batch(one, prompts[:2], SMALL, n=24)
+        for prompt, b in zip(prompts, batch):
+            alone = one.generate(prompt, max_tokens=24, temperature=0, sfi=SMALL, ignore_eos=True)
+            assert b.tokens == alone.tokens and b.stats.sfi.slow_steps == alone.stats.sfi.slow_steps
+            assert b.stats.sfi.n_slow >= 2
+    finally:
+        one.close()
+
+
 def test_reset_clears_every_sequence(llm, prompts):
     _batch(llm, prompts[:3], False, n=4)
     # (prefixes reused: only each prompt's last n_prefill_queries tokens decoded again)

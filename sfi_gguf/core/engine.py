@@ -112,7 +112,7 @@ class SFIEngine:
         if self.pieces is None and plan.policy.reads_text:
             self.pieces = PieceTable([self.ctx.token_bytes(t) for t in range(self.ctx.n_vocab)])
         native = self.native
-        if self.ctx.n_seq_max > 1:
+        if self.ctx.n_seq_max > 1 or batched:  # (the batch loop reads each slot's own settings, even of one slot)
             native = SFISequence(native, ctx.seq)
         return SFIStepper(ctx, native, plan, plan.make_policy(self.pieces), plan.make_selector())
 
