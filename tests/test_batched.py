@@ -186,10 +186,17 @@ def test_refresh_grid_puts_the_sequences_refreshes_on_the_same_steps(llm, prompt
         decode(group, tail)
 
     decoder._decode = recording
+    batch_prompts = [prompts[0], prompts[1][:-30], prompts[3], prompts[2]]
     try:
-        batch = _batch(llm, [prompts[0], prompts[1][:-30], prompts[3], prompts[2]], config, n=50)
+        llm.reset()
+        batch = _batch(llm, batch_prompts, config, n=50)
     finally:
         del decoder._decode
+    # the batch's clock starts again with the next batch: the same prompts, the same slow steps and tokens
+    llm.reset()
+    again = _batch(llm, batch_prompts, config, n=50)
+    assert [b.stats.sfi.slow_steps for b in again] == [b.stats.sfi.slow_steps for b in batch]
+    assert [b.tokens for b in again] == [b.tokens for b in batch]
     assert len(slow_at) >= 20 and all(step % 4 == 0 for step in slow_at)
     assert len(set(slow_at)) < len(slow_at)  # several sequences in one refresh's step
     assert all(b.stats.sfi.n_slow >= 6 for b in batch) and all(b.stats.sfi.n_held_steps > 0 for b in batch[:3])

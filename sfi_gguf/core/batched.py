@@ -132,6 +132,8 @@ class BatchedDecoder:
         slot = self.free_slot(request.tokens)
         if slot is None:
             raise RuntimeError("no free slot")
+        if not self.active:
+            self._n_step = 0  # an idle batch's clock starts again: the same requests, the same steps and tokens
         self._n_added += 1
         slot.last_used = self._n_added
         if len(request.tokens) >= slot.ctx.n_ctx:
