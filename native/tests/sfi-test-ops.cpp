@@ -5,11 +5,12 @@
 // the norms of the keys' values; ggml_sfi_top_k's
 // indices must equal those of a sort by value and index exactly.
 // Prints one line per case and backend; exits 1 if any case fails. Usage: sfi-test-ops [-v]
-// sfi-test-ops perf [--cpu] [-s streams] [-t f16|q8_0|q4_0] [n_kv ...] times the op instead, on each backend but the CPU
+// sfi-test-ops perf [--cpu] [-s streams] [-t f16|q8_0|q4_0] [n_kv ...] times the ops instead, on each backend but the CPU
 // (--cpu: on the CPU too, on every core: a slow step over a cache in host memory runs there), at a
 // slow step's shape (a Qwen3-4B cache: 36 layers, 8 KV heads of 128, 4 query heads each, keys in the cache's layout, of
 // -t's type, F16 by default); with -s, the attention of a batched slow step of that many streams (one KV stream per
-// sequence), keys and values of -t's type
+// sequence), keys and values of -t's type; and a decode's picks from a vocabulary's logits, greedy's against the
+// sampling ops', for one sequence and for -s
 
 #include "ggml.h"
 #include "ggml-alloc.h"
@@ -270,6 +271,67 @@ static void perf(ggml_backend_t backend, int64_t n_kv, ggml_type type_kv) {
     ggml_free(ctx);
 }
 
+// a decode's picks from the logits of n_rows sequences (a vocabulary of Qwen's size, each sequence its own ops, as a
+// sampler per sequence builds them): greedy's (soft_max, argmax, the pick's probability) against the SFI sampling ops
+// (ggml_sfi_top_k's 40 candidates, ggml_sfi_sample, the token's cast), and each sampling op alone; times per sequence
+static void perf_picks(ggml_backend_t backend, int64_t n_rows) {
+    const int64_t n_vocab = 151936;
+    const int     k       = 40;
+
+    ggml_init_params ip = { ggml_tensor_overhead()*(16*n_rows + 4) + 4*ggml_graph_overhead(), nullptr, true };
+    ggml_context * ctx = ggml_init(ip);
+
+    ggml_tensor * logits = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_vocab, n_rows);
+    ggml_tensor * u      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n_rows);
+    ggml_cgraph * g_greedy = ggml_new_graph(ctx);
+    ggml_cgraph * g_sample = ggml_new_graph(ctx);
+    ggml_cgraph * g_top_k  = ggml_new_graph(ctx);
+    ggml_cgraph * g_pick   = ggml_new_graph(ctx);
+    bool supported = true;
+    for (int64_t r = 0; r < n_rows; ++r) {
+        ggml_tensor * row   = ggml_view_2d(ctx, logits, n_vocab, 1, logits->nb[1], r*logits->nb[1]);
+        ggml_tensor * ur    = ggml_view_2d(ctx, u, 1, 1, u->nb[1], r*u->nb[1]);
+        ggml_tensor * token = ggml_argmax(ctx, row);
+        ggml_tensor * prob  = ggml_get_rows(ctx, ggml_reshape_2d(ctx, ggml_soft_max(ctx, row), 1, n_vocab), token);
+        ggml_tensor * cand  = ggml_sfi_top_k(ctx, row, k);
+        ggml_tensor * res   = ggml_sfi_sample(ctx, row, cand, ur, 0.95f, 0.05f, 0.8f);
+        ggml_tensor * tok   = ggml_cast(ctx, ggml_view_1d(ctx, res, 1, 0), GGML_TYPE_I32);
+        for (ggml_tensor * t : { token, prob, cand, res, tok }) {
+            supported = supported && ggml_backend_supports_op(backend, t);
+        }
+        ggml_build_forward_expand(g_greedy, prob);
+        ggml_build_forward_expand(g_sample, tok);
+        ggml_build_forward_expand(g_sample, ggml_view_1d(ctx, res, 1, sizeof(float)));
+        ggml_build_forward_expand(g_top_k, cand);
+        ggml_build_forward_expand(g_pick, res);
+    }
+    ggml_backend_buffer_t buf = supported ? ggml_backend_alloc_ctx_tensors(ctx, backend) : nullptr;
+    if (!buf) {
+        printf("perf: %s cannot time the picks\n", ggml_backend_name(backend));
+        ggml_free(ctx);
+        return;
+    }
+    std::mt19937 rng(9);
+    std::normal_distribution<float> normal(0.0f, 3.0f);
+    std::vector<float> lv(n_vocab*n_rows);
+    for (float & v : lv) {
+        v = normal(rng);
+    }
+    ggml_backend_tensor_set(logits, lv.data(), 0, ggml_nbytes(logits));
+    std::vector<float> uv(n_rows, 0.5f);
+    ggml_backend_tensor_set(u, uv.data(), 0, ggml_nbytes(u));
+
+    const double us_greedy = time_graph(backend, g_greedy, 50)*1e3/n_rows;
+    const double us_sample = time_graph(backend, g_sample, 50)*1e3/n_rows;
+    const double us_top_k  = time_graph(backend, g_top_k,  50)*1e3/n_rows;
+    const double us_pick   = time_graph(backend, g_pick,   50)*1e3/n_rows;
+    printf("perf %s: picks from %lld rows of %lld logits, per row: greedy %.1f us, sampling (top-k %d) %.1f us "
+           "(the graph of sfi_top_k alone %.1f us, with sfi_sample %.1f us)\n", ggml_backend_name(backend),
+           (long long) n_rows, (long long) n_vocab, us_greedy, k, us_sample, us_top_k, us_pick);
+    ggml_backend_buffer_free(buf);
+    ggml_free(ctx);
+}
+
 // a slow step's attention (Qwen3-4B's shape: 32 query heads of 128, 8 KV heads, one token per stream), each layer its
 // own K and V of type_kv in a cache's layout, of ns streams of n_kv cells: flash attention alone, flash attention then
 // ggml_sfi_evidence, and ggml_sfi_flash_attn_evidence, which does both from one read of the keys. 36/ns layers (at
@@ -411,6 +473,10 @@ static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose
         { 131328, 8192, 4, 40 },      // ... with plateaus
         { 70001, 4097, 3, 0 },        // odd sizes
         { 9000, 100, 2, 1 },          // every value equal: the lowest indices
+        { 151936, 40, 1, 0 },         // a sampler's candidates in a vocabulary: on CUDA, the row's segments first
+        { 151936, 40, 4, 3 },         // ... ties at the cut across segments
+        { 151936, 1024, 2, 0 },       // ... the sampling op's largest k
+        { 40000, 1, 1, 2 },
     };
     std::mt19937 rng(99);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -455,7 +521,8 @@ static int test_top_k(const std::vector<ggml_backend_t> & backends, bool verbose
 // ggml_sfi_top_k_ids on every backend: the indices of ggml_sfi_top_k's definition, mapped through each row's ids
 static int test_top_k_ids(const std::vector<ggml_backend_t> & backends, bool verbose, int * n_run) {
     struct ids_case { int64_t n, k, ne1, ne2; };
-    const std::vector<ids_case> cases = { { 8192, 2048, 8, 5 }, { 7, 3, 2, 3 }, { 1000, 1000, 1, 2 }, { 4099, 17, 3, 1 } };
+    const std::vector<ids_case> cases = { { 8192, 2048, 8, 5 }, { 7, 3, 2, 3 }, { 1000, 1000, 1, 2 }, { 4099, 17, 3, 1 },
+        { 65536, 40, 1, 2 } }; // (the last: few long rows, on CUDA in two launches)
     std::mt19937 rng(5);
     std::normal_distribution<float> normal(0.0f, 1.0f);
     int n_failed = 0;
@@ -1290,6 +1357,12 @@ int main(int argc, char ** argv) {
                         perf(b, n_kv, type_kv);
                     }
                     perf_attention(b, n_kv, ns, type_kv);
+                }
+                for (int64_t n_rows : { (int64_t) 1, ns }) {
+                    perf_picks(b, n_rows);
+                    if (ns == 1) {
+                        break;
+                    }
                 }
                 ggml_backend_free(b);
             }

@@ -11,6 +11,7 @@
 #include <climits>
 
 static constexpr int SFI_SAMPLE_THREADS = 1024;
+static constexpr int SFI_SAMPLE_LOADS   = 8;
 
 // whether candidate a comes before candidate b: the larger logit, then the smaller id
 static __device__ __forceinline__ bool sfi_sample_before(const float va, const int ia, const float vb, const int ib) {
@@ -33,11 +34,21 @@ static __global__ void __launch_bounds__(SFI_SAMPLE_THREADS) sfi_sample_kernel(
     __shared__ float w_max[WARP_SIZE];
     __shared__ float w_sum[WARP_SIZE];
 
-    // the softmax's sum over the row, relative to its max
+    // the softmax's sum over the row, relative to its max (SFI_SAMPLE_LOADS loads in flight per thread: one block
+    // reads a vocabulary's row)
     float m = -INFINITY;
     float s = 0.0f;
-    for (int i = threadIdx.x; i < n_vocab; i += blockDim.x) {
-        sfi_online_add(m, s, x[i]);
+    for (int i0 = threadIdx.x; i0 < n_vocab; i0 += SFI_SAMPLE_LOADS*blockDim.x) {
+        float v[SFI_SAMPLE_LOADS];
+#pragma unroll
+        for (int e = 0; e < SFI_SAMPLE_LOADS; ++e) {
+            const int i = i0 + e*blockDim.x;
+            v[e] = i < n_vocab ? x[i] : -INFINITY;
+        }
+#pragma unroll
+        for (int e = 0; e < SFI_SAMPLE_LOADS; ++e) {
+            sfi_online_add(m, s, v[e]);
+        }
     }
 #pragma unroll
     for (int off = WARP_SIZE/2; off > 0; off >>= 1) {

@@ -2,7 +2,11 @@
 // the top (four histogram passes find the k-th largest key exactly), then one pass in index order that writes the
 // keys above it and the first of those equal to it. Each thread takes SFI_TOP_K_PER_THREAD consecutive values of a
 // chunk, so that a block keeps enough loads in flight on a row of 128K cells.
-
+//
+// A few long rows (a sampler's logits: one row of a vocabulary per sequence) would keep a few SMs busy for five
+// passes over the row; they take two launches instead: the row's segments' k largest on many blocks, then the k
+// largest of those candidates. Segments and their candidates are in index order, so the ties at the k-th value
+// resolve to the first indices and the result equals the one-launch result.
 #include "sfi-top-k.cuh"
 
 #include <climits>
@@ -40,12 +44,20 @@ static __device__ __forceinline__ int sfi_block_exclusive_scan(int v, int * buf,
     return (warp > 0 ? buf[warp - 1] : 0) + incl - v;
 }
 
+// block b: segment b % n_seg of row b / n_seg (the rows n values apart), its k largest to dst (and their values to
+// dst_val where given) at b*k
 static __global__ void __launch_bounds__(SFI_TOP_K_THREADS) sfi_top_k_kernel(
-        const float * __restrict__ x, const int32_t * __restrict__ ids, int32_t * __restrict__ dst, const int n, const int k,
-        const int ne1) {
-    const float   * xr    = x   + (size_t) blockIdx.x*n;
+        const float * __restrict__ x, const int32_t * __restrict__ ids, int32_t * __restrict__ dst,
+        float * __restrict__ dst_val, const int n_row, const int k, const int ne1, const int n_seg) {
+    const int row = blockIdx.x / n_seg;
+    const int seg = blockIdx.x % n_seg;
+    const int s0  = (int) ((int64_t) seg*n_row/n_seg);
+    const int n   = (int) ((int64_t) (seg + 1)*n_row/n_seg) - s0;
+
+    const float   * xr    = x + (size_t) row*n_row + s0;
     int32_t       * out   = dst + (size_t) blockIdx.x*k;
-    const int32_t * ids_r = ids ? ids + (size_t) (blockIdx.x/ne1)*n : nullptr; // the row's ids: those of its (i2, i3)
+    float         * out_v = dst_val ? dst_val + (size_t) blockIdx.x*k : nullptr;
+    const int32_t * ids_r = ids ? ids + (size_t) (row/ne1)*n_row + s0 : nullptr; // the row's ids: those of its (i2, i3)
 
     __shared__ int hist[256];
     __shared__ int buf[WARP_SIZE];
@@ -144,13 +156,11 @@ static __global__ void __launch_bounds__(SFI_TOP_K_THREADS) sfi_top_k_kernel(
             if (i0 + e >= n) {
                 break;
             }
-            if (key[e] > prefix) {
-                out[pos++] = ids_r ? ids_r[i0 + e] : i0 + e;
-            } else if (key[e] == prefix) {
-                if (eq < eq_left) {
-                    out[pos++] = ids_r ? ids_r[i0 + e] : i0 + e;
+            if (key[e] > prefix || (key[e] == prefix && eq++ < eq_left)) {
+                if (out_v) {
+                    out_v[pos] = xr[i0 + e];
                 }
-                eq++;
+                out[pos++] = ids_r ? ids_r[i0 + e] : s0 + i0 + e;
             }
         }
 
@@ -164,6 +174,18 @@ bool ggml_cuda_sfi_top_k_supported(const ggml_tensor * op) {
     return a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && a->ne[0] <= INT32_MAX/2 && ggml_nrows(a) <= INT32_MAX;
 }
 
+// rows of at least this many values split into segments of about this many ...
+static constexpr int SFI_TOP_K_SEGMENT = 4096;
+
+// ... when they are fewer than a quarter of the SMs and a segment is much longer than k: the segments per row (1: one
+// launch)
+static int sfi_top_k_n_seg(const int n, const int k, const int n_rows, const int nsm) {
+    if (4*n_rows > nsm || n < 2*SFI_TOP_K_SEGMENT || 4*k > SFI_TOP_K_SEGMENT) {
+        return 1;
+    }
+    return std::min(n/SFI_TOP_K_SEGMENT, std::max(nsm/n_rows, 1));
+}
+
 void ggml_cuda_op_sfi_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) {
     const ggml_tensor * a = dst->src[0];
 
@@ -173,10 +195,27 @@ void ggml_cuda_op_sfi_top_k(ggml_backend_cuda_context & ctx, ggml_tensor * dst) 
     const int n      = (int) a->ne[0];
     const int k      = (int) dst->ne[0];
     const int n_rows = (int) ggml_nrows(a);
+    const int n_seg  = sfi_top_k_n_seg(n, k, n_rows, ggml_cuda_info().devices[ctx.device].nsm);
 
     const ggml_tensor * ids = dst->src[1];
+    cudaStream_t stream = ctx.stream();
 
-    sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, ctx.stream()>>>((const float *) a->data,
-        ids ? (const int32_t *) ids->data : nullptr, (int32_t *) dst->data, n, k, (int) a->ne[1]);
+    if (n_seg == 1) {
+        sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, stream>>>((const float *) a->data,
+            ids ? (const int32_t *) ids->data : nullptr, (int32_t *) dst->data, nullptr, n, k, (int) a->ne[1], 1);
+        CUDA_CHECK(cudaGetLastError());
+        return;
+    }
+
+    // each segment's k largest (ids in the row, or through ids), with their values; then the k largest of those
+    const int n_cand = n_seg*k;
+    ggml_cuda_pool_alloc<int32_t> cand_ids(ctx.pool(), (size_t) n_rows*n_cand);
+    ggml_cuda_pool_alloc<float>   cand_val(ctx.pool(), (size_t) n_rows*n_cand);
+
+    sfi_top_k_kernel<<<n_rows*n_seg, SFI_TOP_K_THREADS, 0, stream>>>((const float *) a->data,
+        ids ? (const int32_t *) ids->data : nullptr, cand_ids.get(), cand_val.get(), n, k, (int) a->ne[1], n_seg);
+    CUDA_CHECK(cudaGetLastError());
+    sfi_top_k_kernel<<<n_rows, SFI_TOP_K_THREADS, 0, stream>>>(cand_val.get(), cand_ids.get(), (int32_t *) dst->data,
+        nullptr, n_cand, k, 1, 1);
     CUDA_CHECK(cudaGetLastError());
 }
