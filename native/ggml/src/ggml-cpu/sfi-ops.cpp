@@ -714,7 +714,8 @@ size_t ggml_sfi_op_work_size(const ggml_tensor * node, int n_tasks) {
     }
 }
 
-// rows split over the threads; per row the k best indices by a partial selection, then put in increasing order
+// rows split over the threads; per row the k best indices by a partial selection (a heap for few of many), then put in
+// increasing order
 void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_tensor * a   = dst->src[0];
     const ggml_tensor * ids = dst->src[1];
@@ -734,12 +735,28 @@ void ggml_compute_forward_sfi_top_k(const ggml_compute_params * params, ggml_ten
 
         const float * x = (const float *) ((const char *) a->data + i1*a->nb[1] + i2*a->nb[2] + i3*a->nb[3]);
 
-        for (int64_t i = 0; i < n; ++i) {
-            idx[i] = (int32_t) i;
-        }
         // the larger value first, the lower index among equal ones (-0 == +0)
         auto better = [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); };
-        std::nth_element(idx, idx + k - 1, idx + n, better);
+        if (16*k <= n) {
+            // few of many (a sampler's candidates): a heap of the k best so far, the worst on top, which most
+            // values fail to beat at one comparison
+            for (int64_t i = 0; i < k; ++i) {
+                idx[i] = (int32_t) i;
+            }
+            std::make_heap(idx, idx + k, better);
+            for (int64_t i = k; i < n; ++i) {
+                if (better((int32_t) i, idx[0])) {
+                    std::pop_heap(idx, idx + k, better);
+                    idx[k - 1] = (int32_t) i;
+                    std::push_heap(idx, idx + k, better);
+                }
+            }
+        } else {
+            for (int64_t i = 0; i < n; ++i) {
+                idx[i] = (int32_t) i;
+            }
+            std::nth_element(idx, idx + k - 1, idx + n, better);
+        }
         std::sort(idx, idx + k);
 
         if (ids) { // the row's ids: those of its (i2, i3)
@@ -996,9 +1013,10 @@ void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_te
 
         float max = -INFINITY;
         ggml_vec_max_f32((int) n_vocab, &max, x);
-        double sum = 0.0;
-        for (int64_t i = 0; i < n_vocab; ++i) {
-            sum += expf(x[i] - max);
+        ggml_float sum = 0.0;
+        float e[1024]; // (the exponentials, unused: the vectorised softmax writes them)
+        for (int64_t i = 0; i < n_vocab; i += 1024) {
+            sum += ggml_vec_soft_max_f32((int) std::min<int64_t>(1024, n_vocab - i), e, x + i, max);
         }
 
         memcpy(ids.data(), (const char *) cand->data + r*cand->nb[1], k*sizeof(int32_t));
