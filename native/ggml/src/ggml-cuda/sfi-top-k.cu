@@ -7,6 +7,7 @@
 // passes over the row; they take two launches instead: the row's segments' k largest on many blocks, then the k
 // largest of those candidates. Segments and their candidates are in index order, so the ties at the k-th value
 // resolve to the first indices and the result equals the one-launch result.
+
 #include "sfi-top-k.cuh"
 
 #include <climits>
@@ -174,7 +175,7 @@ bool ggml_cuda_sfi_top_k_supported(const ggml_tensor * op) {
     return a->type == GGML_TYPE_F32 && ggml_is_contiguous(a) && a->ne[0] <= INT32_MAX/2 && ggml_nrows(a) <= INT32_MAX;
 }
 
-// rows of at least this many values split into segments of about this many ...
+// long rows split into segments of about this many values ...
 static constexpr int SFI_TOP_K_SEGMENT = 4096;
 
 // ... when they are fewer than a quarter of the SMs and a segment is much longer than k: the segments per row (1: one
