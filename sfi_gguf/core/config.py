@@ -110,7 +110,8 @@ class SFIConfig:
     fused_ops: bool | None = None
     """SFI's fused ggml ops (gathers, evidence, top-k, the device Selector's stages) where the backend has
     them; False: their composite ggml definition on every backend, what a backend without the ops runs.
-    None: True, unless the environment sets LLAMA_SFI_FUSED=0."""
+    None: True, unless the environment sets LLAMA_SFI_FUSED=0 (which alone also decides for the sampling ops of a
+    sampled pick in the graph: a sampler does not know the context's config)."""
     fa_evidence: bool | None = None
     """A slow step's attention (with flash attention) as one op that also gives the evidence and key
     norms; its logits equal flash attention's up to rounding. False: flash attention and the evidence op.
