@@ -1358,11 +1358,9 @@ int main(int argc, char ** argv) {
                     }
                     perf_attention(b, n_kv, ns, type_kv);
                 }
-                for (int64_t n_rows : { (int64_t) 1, ns }) {
-                    perf_picks(b, n_rows);
-                    if (ns == 1) {
-                        break;
-                    }
+                perf_picks(b, 1);
+                if (ns > 1) {
+                    perf_picks(b, ns);
                 }
                 ggml_backend_free(b);
             }
