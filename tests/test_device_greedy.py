@@ -43,6 +43,7 @@ def test_device_pick_is_the_host_argmax_with_its_probability(model, flash_attn):
 
         host = run(lambda: (int(np.argmax(ctx.last_logits())), top1_probability(ctx.last_logits())))
         assert ctx.set_device_greedy(True)
+        assert ctx._device_picks.fused  # one SFI op (ggml_sfi_greedy: the CPU and CUDA have it)
         device = run(lambda: (ctx.greedy_token(), ctx.greedy_probability()))
         with pytest.raises(ContextError, match="copied no logits"):
             ctx.last_logits()

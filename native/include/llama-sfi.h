@@ -342,6 +342,9 @@ extern "C" {
     // false when the output's device lacks one of its ops (then detach the chain: the decode would copy no logits)
     LLAMA_API bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl);
 
+    // whether smpl (from llama_sfi_sampler_init_greedy) runs in the graph as one SFI op (ggml_sfi_greedy)
+    LLAMA_API bool llama_sfi_sampler_greedy_fused(const struct llama_sampler * smpl);
+
     // Sampling in the decode's graph with the model's confidence: a sampler for a llama_sampler_chain attached with
     // llama_set_sampler() that picks as llama.cpp's samplers top-k (top_k 0: off), top-p, min-p (min_keep 1 each),
     // temperature and dist with this seed would (the random number drawn on the host as dist draws it, one a decode,

@@ -3,7 +3,7 @@
 // A decode step of a 4B model on a GPU takes a few milliseconds; copying its 150K logits to the host, the argmax
 // over them and the softmax that gives the top-1 probability SFI's trigger reads cost a few percent of it. As a
 // backend sampler (llama.cpp's backend sampling API) the argmax and the probability are three small ops at the end
-// of the graph, and the host reads back two numbers instead of the logits.
+// of the graph (one SFI op where the device has it), and the host reads back two numbers instead of the logits.
 #include "llama-sfi.h"
 
 #include "llama-impl.h"
@@ -19,6 +19,7 @@
 
 struct llama_sfi_greedy {
     bool on_backend = false; // backend_init found every op on the output's device
+    bool fused      = false; // ... and the graph takes the SFI op (ggml_sfi_greedy), not a softmax and an argmax
 };
 
 static const char * llama_sfi_greedy_name(const struct llama_sampler * /*smpl*/) {
@@ -111,16 +112,47 @@ static bool llama_sfi_greedy_ops_supported(ggml_backend_buffer_type_t buft, cons
     return llama_sfi_device_runs(buft, ctx, what);
 }
 
+// the greedy pick as one SFI op: logits [n_vocab] -> the pick (I32 [1]) and its probability (F32 [1])
+static void llama_sfi_greedy_fused_build(ggml_context * ctx, ggml_tensor * logits, ggml_tensor ** token, ggml_tensor ** prob) {
+    ggml_tensor * res = ggml_sfi_greedy(ctx, ggml_reshape_2d(ctx, logits, ggml_nelements(logits), 1));
+
+    *token = ggml_cast(ctx, ggml_view_1d(ctx, res, 1, 0), GGML_TYPE_I32);
+    *prob  = ggml_view_1d(ctx, res, 1, sizeof(float));
+
+    ggml_set_name(*token, "sfi_greedy_token");
+}
+
+// whether the graph takes the SFI op: the SFI ops on (LLAMA_SFI_FUSED) and the output's device runs it
+static bool llama_sfi_greedy_fused_supported(ggml_backend_buffer_type_t buft) {
+    if (!llama_sfi_default_params().fused_ops) {
+        return false;
+    }
+    ggml_context * ctx = llama_sfi_probe_init();
+    ggml_tensor * token = nullptr;
+    ggml_tensor * prob  = nullptr;
+    llama_sfi_greedy_fused_build(ctx, ggml_new_tensor_1d(ctx, GGML_TYPE_F32, LLAMA_SFI_PROBE_VOCAB), &token, &prob);
+
+    return llama_sfi_device_runs(buft, ctx, "the SFI greedy op", /*warn =*/ false); // (llama.cpp's ops then)
+}
+
 static bool llama_sfi_greedy_backend_init(struct llama_sampler * smpl, ggml_backend_buffer_type_t buft, uint32_t /*n_outputs_max_per_seq*/) {
     auto * sctx = (llama_sfi_greedy *) smpl->ctx;
-    sctx->on_backend = llama_sfi_greedy_ops_supported(buft, "greedy picks");
+    sctx->fused      = llama_sfi_greedy_fused_supported(buft);
+    sctx->on_backend = sctx->fused || llama_sfi_greedy_ops_supported(buft, "greedy picks");
     return sctx->on_backend;
 }
 
-static void llama_sfi_greedy_backend_apply(struct llama_sampler * /*smpl*/, struct ggml_context * ctx, struct ggml_cgraph * /*gf*/, struct llama_sampler_data * data) {
-    ggml_tensor * token = nullptr;
-    ggml_tensor * prob  = nullptr;
-    llama_sfi_greedy_build(ctx, ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits)), &token, &prob);
+static void llama_sfi_greedy_backend_apply(struct llama_sampler * smpl, struct ggml_context * ctx, struct ggml_cgraph * /*gf*/, struct llama_sampler_data * data) {
+    const auto * sctx = (const llama_sfi_greedy *) smpl->ctx;
+
+    ggml_tensor * logits = ggml_reshape_1d(ctx, data->logits, ggml_nelements(data->logits));
+    ggml_tensor * token  = nullptr;
+    ggml_tensor * prob   = nullptr;
+    if (sctx->fused) {
+        llama_sfi_greedy_fused_build(ctx, logits, &token, &prob);
+    } else {
+        llama_sfi_greedy_build(ctx, logits, &token, &prob);
+    }
 
     // one candidate, the pick, with its probability
     data->sampled    = token;
@@ -149,6 +181,10 @@ struct llama_sampler * llama_sfi_sampler_init_greedy(void) {
 
 bool llama_sfi_sampler_greedy_on_backend(const struct llama_sampler * smpl) {
     return smpl && smpl->iface == &llama_sfi_greedy_i && ((const llama_sfi_greedy *) smpl->ctx)->on_backend;
+}
+
+bool llama_sfi_sampler_greedy_fused(const struct llama_sampler * smpl) {
+    return llama_sfi_sampler_greedy_on_backend(smpl) && ((const llama_sfi_greedy *) smpl->ctx)->fused;
 }
 
 // Sampling in the decode's graph, with the model's confidence

@@ -17,7 +17,7 @@
 #include <cstring>
 #include <exception>
 
-#define LLAMA_SFI_API_VERSION 19
+#define LLAMA_SFI_API_VERSION 20
 
 int32_t llama_sfi_version(void) {
     return LLAMA_SFI_API_VERSION;

@@ -272,18 +272,20 @@ static void perf(ggml_backend_t backend, int64_t n_kv, ggml_type type_kv) {
 }
 
 // a decode's picks from the logits of n_rows sequences (a vocabulary of Qwen's size, each sequence its own ops, as a
-// sampler per sequence builds them): greedy's (soft_max, argmax, the pick's probability) against the SFI sampling ops
-// (ggml_sfi_top_k's 40 candidates, ggml_sfi_sample, the token's cast), and each sampling op alone; times per sequence
+// sampler per sequence builds them): greedy's (soft_max, argmax, the pick's probability; or ggml_sfi_greedy) against
+// the SFI sampling ops (ggml_sfi_top_k's 40 candidates, ggml_sfi_sample, the token's cast), and each sampling op
+// alone; times per sequence
 static void perf_picks(ggml_backend_t backend, int64_t n_rows) {
     const int64_t n_vocab = 151936;
     const int     k       = 40;
 
-    ggml_init_params ip = { ggml_tensor_overhead()*(16*n_rows + 4) + 4*ggml_graph_overhead(), nullptr, true };
+    ggml_init_params ip = { ggml_tensor_overhead()*(20*n_rows + 4) + 5*ggml_graph_overhead(), nullptr, true };
     ggml_context * ctx = ggml_init(ip);
 
     ggml_tensor * logits = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, n_vocab, n_rows);
     ggml_tensor * u      = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, n_rows);
     ggml_cgraph * g_greedy = ggml_new_graph(ctx);
+    ggml_cgraph * g_fused  = ggml_new_graph(ctx);
     ggml_cgraph * g_sample = ggml_new_graph(ctx);
     ggml_cgraph * g_top_k  = ggml_new_graph(ctx);
     ggml_cgraph * g_pick   = ggml_new_graph(ctx);
@@ -296,10 +298,14 @@ static void perf_picks(ggml_backend_t backend, int64_t n_rows) {
         ggml_tensor * cand  = ggml_sfi_top_k(ctx, row, k);
         ggml_tensor * res   = ggml_sfi_sample(ctx, row, cand, ur, 0.95f, 0.05f, 0.8f);
         ggml_tensor * tok   = ggml_cast(ctx, ggml_view_1d(ctx, res, 1, 0), GGML_TYPE_I32);
-        for (ggml_tensor * t : { token, prob, cand, res, tok }) {
+        ggml_tensor * gres  = ggml_sfi_greedy(ctx, row);
+        ggml_tensor * gtok  = ggml_cast(ctx, ggml_view_1d(ctx, gres, 1, 0), GGML_TYPE_I32);
+        for (ggml_tensor * t : { token, prob, cand, res, tok, gres, gtok }) {
             supported = supported && ggml_backend_supports_op(backend, t);
         }
         ggml_build_forward_expand(g_greedy, prob);
+        ggml_build_forward_expand(g_fused, gtok);
+        ggml_build_forward_expand(g_fused, ggml_view_1d(ctx, gres, 1, sizeof(float)));
         ggml_build_forward_expand(g_sample, tok);
         ggml_build_forward_expand(g_sample, ggml_view_1d(ctx, res, 1, sizeof(float)));
         ggml_build_forward_expand(g_top_k, cand);
@@ -322,12 +328,14 @@ static void perf_picks(ggml_backend_t backend, int64_t n_rows) {
     ggml_backend_tensor_set(u, uv.data(), 0, ggml_nbytes(u));
 
     const double us_greedy = time_graph(backend, g_greedy, 50)*1e3/n_rows;
+    const double us_fused  = time_graph(backend, g_fused,  50)*1e3/n_rows;
     const double us_sample = time_graph(backend, g_sample, 50)*1e3/n_rows;
     const double us_top_k  = time_graph(backend, g_top_k,  50)*1e3/n_rows;
     const double us_pick   = time_graph(backend, g_pick,   50)*1e3/n_rows;
-    printf("perf %s: picks from %lld rows of %lld logits, per row: greedy %.1f us, sampling (top-k %d) %.1f us "
-           "(the graph of sfi_top_k alone %.1f us, with sfi_sample %.1f us)\n", ggml_backend_name(backend),
-           (long long) n_rows, (long long) n_vocab, us_greedy, k, us_sample, us_top_k, us_pick);
+    printf("perf %s: picks from %lld rows of %lld logits, per row: greedy by soft_max, argmax, get_rows %.1f us, by "
+           "sfi_greedy %.1f us; sampling (top-k %d) %.1f us (the graph of sfi_top_k alone %.1f us, with sfi_sample %.1f us)\n",
+           ggml_backend_name(backend), (long long) n_rows, (long long) n_vocab, us_greedy, us_fused, k, us_sample,
+           us_top_k, us_pick);
     ggml_backend_buffer_free(buf);
     ggml_free(ctx);
 }
@@ -1163,6 +1171,11 @@ struct sample_case {
 
     std::string name() const {
         char buf[160];
+        if (k == 0) {
+            snprintf(buf, sizeof(buf), "sfi_greedy(n_vocab=%lld,rows=%lld,scale=%g,levels=%d)", (long long) n_vocab,
+                    (long long) n_rows, scale, levels);
+            return buf;
+        }
         snprintf(buf, sizeof(buf), "sfi_sample(n_vocab=%lld,rows=%lld,k=%d,top_p=%g,min_p=%g,temp=%g,scale=%g,levels=%d)",
                 (long long) n_vocab, (long long) n_rows, k, top_p, min_p, temp, scale, levels);
         return buf;
@@ -1187,6 +1200,11 @@ static sample_ref_row sample_ref(const sample_case & tc, const float * x, double
         sum += exp(x[i] - max);
     }
     r.prob = 1.0/sum;
+
+    if (tc.k == 0) { // ggml_sfi_greedy: the first of the largest
+        r.token = (int32_t) (std::max_element(x, x + tc.n_vocab) - x);
+        return r;
+    }
 
     std::vector<int32_t> ids = top_k_ref(x, tc.n_vocab, tc.k);
     std::sort(ids.begin(), ids.end(), [x](int32_t i, int32_t j) { return x[i] > x[j] || (x[i] == x[j] && i < j); });
@@ -1250,6 +1268,11 @@ static int test_sample(const std::vector<ggml_backend_t> & backends, ggml_backen
         {   1000, 16, 1000, 0.90f, 0.10f, 1.5f, 4.0f, 0 }, // k = n_vocab
         {  20000, 16,   50, 0.90f, 0.02f, 1.2f, 3.0f, 2 }, // ties, at the cut too
         {      7, 16,    3, 0.99f, 0.00f, 0.5f, 1.0f, 0 }, // tiny
+        // k 0: ggml_sfi_greedy
+        { 151936,  8,    0, 1.00f, 0.00f, 1.0f, 3.0f, 0 }, // a model's vocabulary
+        { 151936,  4,    0, 1.00f, 0.00f, 1.0f, 1.0f, 1 }, // equal maxima: the first
+        {   1000, 300,   0, 1.00f, 0.00f, 1.0f, 2.0f, 0 }, // many rows
+        {      7, 16,    0, 1.00f, 0.00f, 1.0f, 1.0f, 0 }, // tiny
     };
     std::mt19937 rng(7);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -1275,9 +1298,9 @@ static int test_sample(const std::vector<ggml_backend_t> & backends, ggml_backen
             ggml_init_params ip = { ggml_tensor_overhead()*8 + ggml_graph_overhead(), nullptr, true };
             ggml_context * ctx = ggml_init(ip);
             ggml_tensor * tl  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, tc.n_vocab, tc.n_rows);
-            ggml_tensor * tk  = ggml_new_tensor_2d(ctx, GGML_TYPE_I32, tc.k, tc.n_rows);
-            ggml_tensor * tu  = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, tc.n_rows);
-            ggml_tensor * out = ggml_sfi_sample(ctx, tl, tk, tu, tc.top_p, tc.min_p, tc.temp);
+            ggml_tensor * tk  = tc.k > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_I32, tc.k, tc.n_rows) : nullptr;
+            ggml_tensor * tu  = tc.k > 0 ? ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 1, tc.n_rows) : nullptr;
+            ggml_tensor * out = tc.k > 0 ? ggml_sfi_sample(ctx, tl, tk, tu, tc.top_p, tc.min_p, tc.temp) : ggml_sfi_greedy(ctx, tl);
             if (!ggml_backend_supports_op(backend, out)) {
                 n_failed += not_supported(backend, cpu, tc.name(), verbose);
                 ggml_free(ctx);
@@ -1285,8 +1308,10 @@ static int test_sample(const std::vector<ggml_backend_t> & backends, ggml_backen
             }
             ggml_backend_buffer_t buf = ggml_backend_alloc_ctx_tensors(ctx, backend);
             ggml_backend_tensor_set(tl, x.data(), 0, ggml_nbytes(tl));
-            ggml_backend_tensor_set(tk, cand.data(), 0, ggml_nbytes(tk));
-            ggml_backend_tensor_set(tu, u.data(), 0, ggml_nbytes(tu));
+            if (tc.k > 0) {
+                ggml_backend_tensor_set(tk, cand.data(), 0, ggml_nbytes(tk));
+                ggml_backend_tensor_set(tu, u.data(), 0, ggml_nbytes(tu));
+            }
             const std::vector<float> got = compute_and_get<float>(backend, ctx, out);
             ggml_backend_buffer_free(buf);
             ggml_free(ctx);

@@ -36,6 +36,9 @@ _dist_on_backend.restype = ctypes.c_bool
 _dist_fused = lib.llama_sfi_sampler_dist_fused
 _dist_fused.argtypes = [llama_cpp.llama_sampler_p_ctypes]
 _dist_fused.restype = ctypes.c_bool
+_greedy_fused = lib.llama_sfi_sampler_greedy_fused
+_greedy_fused.argtypes = [llama_cpp.llama_sampler_p_ctypes]
+_greedy_fused.restype = ctypes.c_bool
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,7 @@ class DevicePicks:
         self.seq = seq
         self._chain = None
         self.picks: DeviceChain | None = None  # what the attached chain picks
-        self.fused = False  # ... as the SFI sampling ops (top-k on, a device with them), not llama.cpp's samplers
+        self.fused = False  # ... as the SFI ops (a device with them; sampling: top-k on), not llama.cpp's ops
 
     def attach(self, picks: DeviceChain = GREEDY) -> bool:
         """Attach a chain making `picks`; False (nothing attached) where the output's device cannot run its ops."""
@@ -94,7 +97,7 @@ class DevicePicks:
         if llama_cpp.llama_set_sampler(self.ctx, self.seq, chain) and on_backend(pick):
             self._chain = chain
             self.picks = picks
-            self.fused = not picks.greedy and _dist_fused(pick)
+            self.fused = _greedy_fused(pick) if picks.greedy else _dist_fused(pick)
             return True
         llama_cpp.llama_set_sampler(self.ctx, self.seq, None)
         llama_cpp.llama_sampler_free(chain)

@@ -13,7 +13,7 @@ import os
 import sys
 from pathlib import Path
 
-EXPECTED_SFI_API_VERSION = 19
+EXPECTED_SFI_API_VERSION = 20
 _LIB_NAMES = {"linux": "libllama.so", "darwin": "libllama.dylib", "win32": "llama.dll"}
 
 

@@ -197,6 +197,13 @@ extern "C" {
             float                 min_p,
             float                 temp);
 
+    // The same op without candidates: the greedy pick, the row's largest logit (the smaller id among equal ones, as
+    // llama.cpp's greedy sampler picks), with the top-1 probability; one op in place of a softmax, an argmax and a
+    // get_rows over the vocabulary. res as ggml_sfi_sample's.
+    GGML_API struct ggml_tensor * ggml_sfi_greedy(
+            struct ggml_context * ctx,
+            struct ggml_tensor  * logits);
+
 #ifdef  __cplusplus
 }
 #endif

@@ -276,3 +276,17 @@ struct ggml_tensor * ggml_sfi_sample(
 
     return result;
 }
+
+struct ggml_tensor * ggml_sfi_greedy(
+        struct ggml_context * ctx,
+        struct ggml_tensor  * logits) {
+    GGML_ASSERT(logits->type == GGML_TYPE_F32);
+    GGML_ASSERT(logits->nb[0] == sizeof(float) && logits->ne[2] == 1 && logits->ne[3] == 1);
+
+    struct ggml_tensor * result = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, 2, logits->ne[1]);
+
+    result->op     = GGML_OP_SFI_SAMPLE; // (no candidates: the largest logit)
+    result->src[0] = logits;
+
+    return result;
+}

@@ -992,7 +992,8 @@ void ggml_compute_forward_sfi_copy_rows(const ggml_compute_params * params, ggml
     }
 }
 
-// rows split over the threads; per row the softmax's sum, then the candidates sorted and the pick
+// rows split over the threads; per row the softmax's sum, then the candidates sorted and the pick (without
+// candidates: the first of the largest logits)
 void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_tensor * dst) {
     const ggml_tensor * logits = dst->src[0];
     const ggml_tensor * cand   = dst->src[1];
@@ -1003,7 +1004,7 @@ void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_te
     const float temp  = ggml_get_op_params_f32(dst, 2);
 
     const int64_t n_vocab = logits->ne[0];
-    const int     k       = (int) cand->ne[0];
+    const int     k       = cand ? (int) cand->ne[0] : 0;
 
     std::vector<int32_t> ids(k);
     std::vector<float>   c(k);
@@ -1019,6 +1020,14 @@ void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_te
             sum += ggml_vec_soft_max_f32((int) std::min<int64_t>(1024, n_vocab - i), e, x + i, max);
         }
 
+        float * out = (float *) ((char *) dst->data + r*dst->nb[1]);
+        out[1] = (float) (1.0/sum);
+
+        if (!cand) {
+            out[0] = (float) (std::find(x, x + n_vocab, max) - x);
+            continue;
+        }
+
         memcpy(ids.data(), (const char *) cand->data + r*cand->nb[1], k*sizeof(int32_t));
         for (int j = 0; j < k; ++j) {
             GGML_ASSERT(ids[j] >= 0 && ids[j] < n_vocab);
@@ -1029,8 +1038,6 @@ void ggml_compute_forward_sfi_sample(const ggml_compute_params * params, ggml_te
         }
         const float ur = *(const float *) ((const char *) u->data + r*u->nb[1]);
 
-        float * out = (float *) ((char *) dst->data + r*dst->nb[1]);
         out[0] = (float) ids[ggml_sfi_sample_pick(c.data(), k, top_p, min_p, temp, ur)];
-        out[1] = (float) (1.0/sum);
     }
 }
