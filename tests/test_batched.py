@@ -218,7 +218,9 @@ def test_device_selector_each_sequence_decodes_as_it_would_alone(llm, prompts):
     for prompt, b in zip(prompts, batch):
         alone = llm.generate(prompt, max_tokens=40, temperature=0, sfi=config, ignore_eos=True)
         assert b.tokens == alone.tokens and b.stats.sfi.slow_steps == alone.stats.sfi.slow_steps
-        assert b.stats.sfi.refresh_overlap == pytest.approx(alone.stats.sfi.refresh_overlap)
+        # the same selections up to a cell at a near-tie (a CUDA build with every layer on the CPU, after the
+        # module's other batches, ranks one of a refresh's 256 cells otherwise: 1/256 of an overlap)
+        assert b.stats.sfi.refresh_overlap == pytest.approx(alone.stats.sfi.refresh_overlap, abs=1.5/256)
         # every refresh (bootstrap or slow step) ran on the device
         assert b.stats.sfi.n_device_selections == b.stats.sfi.n_slow + b.stats.sfi.n_bootstrap >= 2
 
